@@ -1,0 +1,37 @@
+# fr_jax: `make test` and (later) `make demo` work on a fresh machine with only Python 3.11.
+# Each target creates .venv on first use and installs the pinned requirements into it.
+
+PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
+VENV   ?= .venv
+VPY    := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: test test-all bench venv clean-venv help
+
+help:
+	@echo "make test      install .venv if needed, run the fast test suite (not marked slow)"
+	@echo "make test-all  run every test, slow ones included"
+	@echo "make bench     run the benchmarks in experiments/benchmarks/ (JSON lines)"
+	@echo "make venv      only create/refresh .venv"
+
+venv: $(STAMP)
+
+# Re-installs whenever a pinned requirements file changes.
+$(STAMP): requirements.txt requirements-dev.txt
+	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install --quiet --upgrade "pip==25.3"
+	$(VPY) -m pip install --quiet -r requirements.txt -r requirements-dev.txt
+	@touch $(STAMP)
+
+test: $(STAMP)
+	$(VPY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+test-all: $(STAMP)
+	$(VPY) -m pytest -q $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(VPY) -m experiments.benchmarks.objective
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,3 @@
+"""fr_jax: FlashREINFORCE in JAX/Flax."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,332 @@
+"""The FlashREINFORCE objective, line by line against the paper (shared/PAPER_NOTES.md).
+
+For trajectory i with reward R_i and T_i action tokens a_{i,t}:
+
+  (1) one-batch REINFORCE     A_i = R_i - mean_j R_j               (mean over all B, gate ignored)
+  (2) sequence trust region   p = mu(a|h), q = sg(pi(a|h)), both clamped to [1e-6, 1-1e-6]
+                              d_it = p log(p/q) + (1-p) log((1-p)/(1-q))
+                              D_i  = max(0, sum_t d_it / T_i);  m_i = [D_i <= delta]
+  (3) sample-mean objective   L = -(1/B) sum_i m_i (A_i/T_i) sum_t sg(rho_it) log pi(a_it|h_it)
+                              rho = exp(log pi - log mu), unclipped, constant.
+
+Every function here is pure and jit-able. Two layouts share one implementation:
+
+* padded: arrays [B, T], row i is trajectory i (`flash_reinforce_loss`, `ppo_clip_loss`);
+* packed: arrays [R, L] holding several trajectories per row, `segment_ids` in 0..S
+  (0 = padding, s = trajectory slot s-1) and per-trajectory arrays of static length S
+  (`flash_reinforce_loss_packed`, `ppo_clip_loss_packed`). Per-trajectory sums are segment
+  sums with a static number of segments, so a bucket shape compiles once.
+
+Global quantities (B, sum_j R_j, sum_j T_j) can be given from outside (`BatchStats`) so that
+micro-batches and mesh shards see the whole batch's normalisers; with `axis_name` they are
+summed across that mapped axis (use inside `jax.shard_map`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+PROB_CLAMP = 1e-6  # p and q are clamped to [1e-6, 1 - 1e-6] before the Bernoulli KL.
+
+REDUCTIONS = ("sample_mean", "token_mean")
+TRUST_MODES = ("sequence", "token", "none")
+ADVANTAGES = ("batch_centered", "positive_only")
+
+
+class BatchStats(NamedTuple):
+  """Whole-batch normalisers. Counts are floats so they can be psum-ed and traced."""
+
+  num_trajectories: jax.Array  # B
+  reward_sum: jax.Array  # sum_j R_j
+  num_action_tokens: jax.Array  # sum_j T_j
+
+
+class _Layout(NamedTuple):
+  """How per-token values map to per-trajectory values and back."""
+
+  to_traj: Callable[[jax.Array], jax.Array]  # per-token [..] -> per-trajectory sums [N]
+  to_tok: Callable[[jax.Array], jax.Array]  # per-trajectory [N] -> per-token [..]
+  traj_max: Callable[[jax.Array], jax.Array]  # per-token -> per-trajectory max
+
+
+def _padded_layout() -> _Layout:
+  return _Layout(
+      to_traj=lambda x_BxT: x_BxT.sum(axis=-1),
+      to_tok=lambda x_B: x_B[:, None],
+      traj_max=lambda x_BxT: x_BxT.max(axis=-1),
+  )
+
+
+def _packed_layout(segment_ids_RxL: jax.Array, num_segments: int) -> _Layout:
+  # Segment 0 is padding; slot s-1 holds trajectory segment s. The extra bucket absorbs
+  # padding so no token is ever dropped or branched on.
+  seg_N = segment_ids_RxL.reshape(-1)
+
+  def to_traj(x_RxL):
+    sums = jax.ops.segment_sum(x_RxL.reshape(-1), seg_N, num_segments=num_segments + 1)
+    return sums[1:]
+
+  def to_tok(x_S):
+    return jnp.concatenate([jnp.zeros((1,), x_S.dtype), x_S])[segment_ids_RxL]
+
+  def traj_max(x_RxL):
+    m = jax.ops.segment_max(x_RxL.reshape(-1), seg_N, num_segments=num_segments + 1)
+    return m[1:]
+
+  return _Layout(to_traj, to_tok, traj_max)
+
+
+def _psum(x, axis_name):
+  return x if axis_name is None else jax.lax.psum(x, axis_name)
+
+
+def _pmax(x, axis_name):
+  return x if axis_name is None else jax.lax.pmax(x, axis_name)
+
+
+def _f32(x):
+  # Half precision is promoted to float32 inside the loss (reference-code rule).
+  return jnp.asarray(x).astype(jnp.float32)
+
+
+def _check_choice(name, value, allowed):
+  if value not in allowed:
+    raise ValueError(f"{name}={value!r} is not supported; choose one of {allowed}.")
+
+
+def bernoulli_kl(behavior_logp, learner_logp):
+  """Per-token Bernoulli KL proxy d = KL(Bern(p) || Bern(q)), p = exp(behavior_logp).
+
+  Both probabilities are clamped to [1e-6, 1 - 1e-6]. Callers pass the learner log-prob
+  already stop-gradiented. Shapes: any, broadcast together. Units: nats.
+  """
+  p = jnp.clip(jnp.exp(_f32(behavior_logp)), PROB_CLAMP, 1.0 - PROB_CLAMP)
+  q = jnp.clip(jnp.exp(_f32(learner_logp)), PROB_CLAMP, 1.0 - PROB_CLAMP)
+  # d = p log(p/q) + (1-p) log((1-p)/(1-q)); log1p keeps the (1-p) terms accurate near 0.
+  return p * (jnp.log(p) - jnp.log(q)) + (1.0 - p) * (jnp.log1p(-p) - jnp.log1p(-q))
+
+
+def batch_stats(rewards_N, valid_N, num_action_tokens_N, axis_name=None) -> BatchStats:
+  """B, sum R and sum T over the valid trajectories, summed over `axis_name` if given."""
+  valid = _f32(valid_N)
+  return BatchStats(
+      num_trajectories=_psum(valid.sum(), axis_name),
+      reward_sum=_psum((_f32(rewards_N) * valid).sum(), axis_name),
+      num_action_tokens=_psum((_f32(num_action_tokens_N) * valid).sum(), axis_name),
+  )
+
+
+def _reinforce(layout, logp, behavior_logp, rewards_N, valid_N, action_mask, *, delta,
+               reduction, trust, advantage, stats, axis_name):
+  _check_choice("reduction", reduction, REDUCTIONS)
+  _check_choice("trust", trust, TRUST_MODES)
+  _check_choice("advantage", advantage, ADVANTAGES)
+
+  logp, behavior_logp, rewards_N = _f32(logp), _f32(behavior_logp), _f32(rewards_N)
+  valid_N = jnp.asarray(valid_N, bool)
+  mask = jnp.asarray(action_mask, bool)
+  maskf = mask.astype(jnp.float32)
+  T_N = layout.to_traj(maskf)  # action tokens per trajectory
+  if stats is None:
+    stats = batch_stats(rewards_N, valid_N, T_N, axis_name)
+
+  # (1) A_i = R_i - mean_j R_j over the whole fresh batch; rejected rows still count.
+  if advantage == "batch_centered":
+    A_N = rewards_N - stats.reward_sum / jnp.maximum(stats.num_trajectories, 1.0)
+  else:  # positive_only: A_i = R_i, uncentred (ablation)
+    A_N = rewards_N
+  A_N = jnp.where(valid_N, A_N, 0.0)
+
+  # (2) Trust region on the Bernoulli-KL proxy, with the learner prob detached.
+  logp_sg = jax.lax.stop_gradient(logp)
+  d = jnp.where(mask, bernoulli_kl(behavior_logp, logp_sg), 0.0)
+  seq_kl_N = jnp.maximum(0.0, layout.to_traj(d) / jnp.maximum(T_N, 1.0))  # D_i
+  if trust == "sequence":
+    admitted_N = seq_kl_N <= delta  # inclusive bound; delta=inf admits everything finite
+    token_admitted = mask & layout.to_tok(admitted_N)
+  elif trust == "token":
+    token_admitted = mask & (d <= delta)  # token-local gate (ablation)
+    # A trajectory counts as admitted when none of its action tokens was gated.
+    admitted_N = layout.to_traj(token_admitted.astype(jnp.float32)) == T_N
+  else:
+    admitted_N = jnp.ones_like(valid_N)
+    token_admitted = mask
+  admitted_N = admitted_N & valid_N
+
+  # (3) rho = exp(sg(log pi) - log mu), a constant, unclipped.
+  log_rho = jnp.where(mask, logp_sg - behavior_logp, 0.0)
+  rho = jnp.exp(log_rho)
+  weighted_logp = jnp.where(token_admitted, rho * logp, 0.0)
+  per_traj_N = layout.to_traj(weighted_logp)  # sum_t m rho log pi
+  if reduction == "sample_mean":
+    # L = -(1/B) sum_i (A_i / T_i) sum_t m rho log pi
+    coef_N = A_N / jnp.maximum(T_N, 1.0) / jnp.maximum(stats.num_trajectories, 1.0)
+  else:
+    # token_mean: the weight 1/(B T_i) becomes 1/sum_j T_j, T over all B rows.
+    coef_N = A_N / jnp.maximum(stats.num_action_tokens, 1.0)
+  loss = -(coef_N * per_traj_N).sum()
+  loss = _psum(loss, axis_name)
+
+  n_tok = _psum(maskf.sum(), axis_name)
+  n_valid = _psum(valid_N.astype(jnp.float32).sum(), axis_name)
+  aux = {
+      "advantages": A_N,
+      "seq_kl": seq_kl_N,
+      "admitted": admitted_N,
+      "num_action_tokens": T_N,
+      "acceptance_rate": _psum(admitted_N.astype(jnp.float32).sum(), axis_name)
+                         / jnp.maximum(n_valid, 1.0),
+      "token_acceptance_rate": _psum(token_admitted.astype(jnp.float32).sum(), axis_name)
+                               / jnp.maximum(n_tok, 1.0),
+      "seq_kl_mean": _psum(jnp.where(valid_N, seq_kl_N, 0.0).sum(), axis_name)
+                     / jnp.maximum(n_valid, 1.0),
+      "seq_kl_max": _pmax(jnp.where(valid_N, seq_kl_N, 0.0).max(), axis_name),
+      "token_kl_mean": _psum(d.sum(), axis_name) / jnp.maximum(n_tok, 1.0),
+      "ratio_mean": _psum(jnp.where(mask, rho, 0.0).sum(), axis_name) / jnp.maximum(n_tok, 1.0),
+      "ratio_max": _pmax(jnp.where(mask, rho, -jnp.inf).max(), axis_name),
+      "ratio_min": -_pmax(jnp.where(mask, -rho, -jnp.inf).max(), axis_name),
+      "log_ratio_abs_mean": _psum(jnp.abs(log_rho).sum(), axis_name) / jnp.maximum(n_tok, 1.0),
+  }
+  return loss, aux
+
+
+def flash_reinforce_loss(logp, behavior_logp, rewards, action_mask, *, delta=3e-3,
+                         reduction="sample_mean", trust="sequence",
+                         advantage="batch_centered", stats=None, axis_name=None):
+  """FlashREINFORCE loss on padded arrays.
+
+  Args:
+    logp: float [B, T], learner log-probs of the sampled tokens (differentiable).
+    behavior_logp: float [B, T], the engine's log-probs of the same tokens (0 off-action).
+    rewards: float [B].
+    action_mask: bool [B, T], True for tokens the policy sampled.
+    delta: trust bound on D_i (or on d_it for trust="token"); inf disables the gate.
+    reduction: "sample_mean" (paper) or "token_mean" (ablation).
+    trust: "sequence" (paper), "token" (token-local ablation) or "none".
+    advantage: "batch_centered" (paper) or "positive_only" (A_i = R_i, ablation).
+    stats: optional `BatchStats` of the whole batch (for micro-batches); default: this batch.
+    axis_name: mapped axis to sum global quantities over (inside shard_map), or None.
+
+  Returns:
+    (loss, aux). aux: per-trajectory `advantages`, `seq_kl` (D_i), `admitted`,
+    `num_action_tokens` [B]; scalars `acceptance_rate` (admitted trajectories / B),
+    `token_acceptance_rate`, `seq_kl_mean/max`, `token_kl_mean`, `ratio_mean/max/min`,
+    `log_ratio_abs_mean`.
+  """
+  rewards = jnp.asarray(rewards)
+  valid = jnp.ones(rewards.shape, bool)
+  return _reinforce(_padded_layout(), logp, behavior_logp, rewards, valid, action_mask,
+                    delta=delta, reduction=reduction, trust=trust, advantage=advantage,
+                    stats=stats, axis_name=axis_name)
+
+
+def flash_reinforce_loss_packed(logp, behavior_logp, action_mask, segment_ids, rewards,
+                                segment_valid, *, delta=3e-3, reduction="sample_mean",
+                                trust="sequence", advantage="batch_centered", stats=None,
+                                axis_name=None):
+  """FlashREINFORCE loss on packed arrays; same values and gradients as the padded form.
+
+  Args:
+    logp, behavior_logp: float [R, L], in the target frame (see fr_jax.packing).
+    action_mask: bool [R, L].
+    segment_ids: int [R, L] in 0..S; 0 is padding, s means trajectory slot s-1.
+    rewards: float [S] per slot; segment_valid: bool [S], False for empty slots.
+    Other arguments as in `flash_reinforce_loss`. Per-trajectory aux arrays are [S].
+  """
+  rewards = jnp.asarray(rewards)
+  layout = _packed_layout(jnp.asarray(segment_ids), rewards.shape[0])
+  return _reinforce(layout, logp, behavior_logp, rewards, segment_valid, action_mask,
+                    delta=delta, reduction=reduction, trust=trust, advantage=advantage,
+                    stats=stats, axis_name=axis_name)
+
+
+def group_advantages(rewards, group_ids, normalize_std=True, *, num_groups=None):
+  """GRPO baseline: A_i = R_i - mean_{g(i)} R, optionally / (std_{g(i)} R + 1e-6).
+
+  Args:
+    rewards: float [B].
+    group_ids: int [B] in [0, num_groups); siblings of one prompt share an id.
+    normalize_std: divide by the group's unbiased (ddof=1) std + 1e-6, as verl and TRL do.
+      A group of one has std 0 (and advantage 0).
+    num_groups: static number of groups; defaults to B.
+  """
+  rewards = _f32(rewards)
+  group_ids = jnp.asarray(group_ids)
+  G = rewards.shape[0] if num_groups is None else num_groups
+  count = jax.ops.segment_sum(jnp.ones_like(rewards), group_ids, num_segments=G)
+  mean = jax.ops.segment_sum(rewards, group_ids, num_segments=G) / jnp.maximum(count, 1.0)
+  centered = rewards - mean[group_ids]
+  if not normalize_std:
+    return centered
+  sq = jax.ops.segment_sum(centered**2, group_ids, num_segments=G)
+  std = jnp.sqrt(sq / jnp.maximum(count - 1.0, 1.0))
+  return centered / (std[group_ids] + 1e-6)
+
+
+def _ppo_clip(layout, logp, old_logp, advantages_N, valid_N, action_mask, *, clip_eps,
+              clip_eps_high, reduction, stats, axis_name):
+  _check_choice("reduction", reduction, REDUCTIONS)
+  logp, old_logp, A_N = _f32(logp), _f32(old_logp), _f32(advantages_N)
+  valid_N = jnp.asarray(valid_N, bool)
+  mask = jnp.asarray(action_mask, bool)
+  maskf = mask.astype(jnp.float32)
+  T_N = layout.to_traj(maskf)
+  if stats is None:
+    stats = batch_stats(jnp.zeros_like(A_N), valid_N, T_N, axis_name)
+  hi = clip_eps if clip_eps_high is None else clip_eps_high
+
+  # PPO-clip: per token, -min(r A, clip(r, 1-eps, 1+eps_high) A), r = pi/pi_old.
+  ratio = jnp.exp(jnp.where(mask, logp - old_logp, 0.0))
+  A_tok = layout.to_tok(jnp.where(valid_N, A_N, 0.0))
+  surr = jnp.minimum(ratio * A_tok, jnp.clip(ratio, 1.0 - clip_eps, 1.0 + hi) * A_tok)
+  per_traj_N = layout.to_traj(jnp.where(mask, surr, 0.0))
+  if reduction == "sample_mean":
+    coef_N = 1.0 / jnp.maximum(T_N, 1.0) / jnp.maximum(stats.num_trajectories, 1.0)
+  else:
+    coef_N = jnp.full_like(T_N, 1.0) / jnp.maximum(stats.num_action_tokens, 1.0)
+  loss = _psum(-(jnp.where(valid_N, coef_N, 0.0) * per_traj_N).sum(), axis_name)
+
+  r = jax.lax.stop_gradient(ratio)
+  clipped = mask & (((r > 1.0 + hi) & (A_tok > 0)) | ((r < 1.0 - clip_eps) & (A_tok < 0)))
+  n_tok = jnp.maximum(_psum(maskf.sum(), axis_name), 1.0)
+  aux = {
+      "advantages": A_N,
+      "num_action_tokens": T_N,
+      "clip_fraction": _psum(clipped.astype(jnp.float32).sum(), axis_name) / n_tok,
+      "ratio_mean": _psum(jnp.where(mask, r, 0.0).sum(), axis_name) / n_tok,
+      "ratio_max": _pmax(jnp.where(mask, r, -jnp.inf).max(), axis_name),
+  }
+  return loss, aux
+
+
+def ppo_clip_loss(logp, old_logp, advantages, action_mask, *, clip_eps=0.2,
+                  clip_eps_high=None, reduction="sample_mean", stats=None, axis_name=None):
+  """GRPO/PPO-clip policy loss on padded arrays, for matched baselines.
+
+  Args:
+    logp: float [B, T] learner log-probs (differentiable); old_logp: float [B, T] the
+      log-probs of the policy that sampled (the behaviour log-probs in an async run).
+    advantages: float [B] (e.g. from `group_advantages`). action_mask: bool [B, T].
+    clip_eps / clip_eps_high: lower / upper clip range (upper defaults to clip_eps).
+    reduction: "sample_mean" (GRPO: mean over tokens, then over trajectories) or
+      "token_mean" (mean over all action tokens of the batch).
+  """
+  advantages = jnp.asarray(advantages)
+  return _ppo_clip(_padded_layout(), logp, old_logp, advantages,
+                   jnp.ones(advantages.shape, bool), action_mask, clip_eps=clip_eps,
+                   clip_eps_high=clip_eps_high, reduction=reduction, stats=stats,
+                   axis_name=axis_name)
+
+
+def ppo_clip_loss_packed(logp, old_logp, action_mask, segment_ids, advantages, segment_valid,
+                         *, clip_eps=0.2, clip_eps_high=None, reduction="sample_mean",
+                         stats=None, axis_name=None):
+  """`ppo_clip_loss` on packed arrays (layout as in `flash_reinforce_loss_packed`)."""
+  advantages = jnp.asarray(advantages)
+  layout = _packed_layout(jnp.asarray(segment_ids), advantages.shape[0])
+  return _ppo_clip(layout, logp, old_logp, advantages, segment_valid, action_mask,
+                   clip_eps=clip_eps, clip_eps_high=clip_eps_high, reduction=reduction,
+                   stats=stats, axis_name=axis_name)

@@ -1,0 +1,178 @@
+"""The Trajectory record: the contract between rollout workers and the learner.
+
+A record holds one prompt and everything generated after it (model and tool turns
+interleaved). Per completion token it carries:
+
+* `action_mask`: True only for tokens the policy sampled;
+* `behavior_logp`: the engine's log-prob of the sampled token under the distribution that
+  sampled it (temperature applied), 0 where action_mask is False;
+* `policy_version`: the policy version that produced the token (it may change mid-trajectory
+  when a weight update lands between turns).
+
+`validate()` runs once, where a record enters the learner, and refuses a malformed record
+with a named reason (`TrajectoryError.reason`, one of `REASONS`), never a bare assert.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import numpy as np
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+REASONS = (
+    "bad_field",  # wrong type/rank/dtype, unknown finish reason, negative id, empty prompt
+    "length_mismatch",  # per-token arrays disagree in length
+    "no_action_tokens",
+    "nonfinite_behavior_logp",
+    "positive_behavior_logp",
+    "nonzero_logp_off_action",  # a non-action token carries a nonzero behaviour log-prob
+    "nonfinite_reward",
+    "too_long",  # prompt + completion longer than the configured maximum
+)
+
+
+class TrajectoryError(ValueError):
+  """A refused record. `reason` is one of `REASONS`; the message names the bad value."""
+
+  def __init__(self, reason: str, message: str):
+    assert reason in REASONS, reason
+    super().__init__(f"[{reason}] {message}")
+    self.reason = reason
+
+
+@dataclasses.dataclass
+class Trajectory:
+  """One rollout. Arrays are NumPy; lengths: prompt P, completion C."""
+
+  prompt_id: str
+  prompt_tokens: np.ndarray  # int32 [P]
+  completion_tokens: np.ndarray  # int32 [C]
+  action_mask: np.ndarray  # bool [C]
+  behavior_logp: np.ndarray  # float32 [C], <= 0 on actions, 0 elsewhere
+  reward: float
+  policy_version: np.ndarray  # int32 [C], version that produced each token
+  finish_reason: str = "stop"  # stop | length | abort
+  num_tool_calls: int = 0
+  num_turns: int = 1
+  env: str = ""
+  traj_id: str = ""  # unique id for logs; filled from prompt_id when empty
+
+  def __post_init__(self):
+    self.prompt_tokens = np.asarray(self.prompt_tokens)
+    self.completion_tokens = np.asarray(self.completion_tokens)
+    self.action_mask = np.asarray(self.action_mask)
+    self.behavior_logp = np.asarray(self.behavior_logp)
+    pv = np.asarray(self.policy_version)
+    if pv.ndim == 0:  # one version for the whole trajectory
+      pv = np.full(self.completion_tokens.shape, int(pv), np.int32)
+    self.policy_version = pv
+    if not self.traj_id:
+      self.traj_id = str(self.prompt_id)
+
+  @property
+  def length(self) -> int:
+    """Prompt plus completion tokens."""
+    return int(self.prompt_tokens.shape[0] + self.completion_tokens.shape[0])
+
+  @property
+  def num_action_tokens(self) -> int:
+    return int(np.count_nonzero(self.action_mask))
+
+  @property
+  def truncated(self) -> bool:
+    return self.finish_reason == "length"
+
+  @property
+  def min_policy_version(self) -> int:
+    """The oldest policy version among action tokens (defines the trajectory's lag)."""
+    v = self.policy_version[self.action_mask.astype(bool)]
+    return int(v.min()) if v.size else int(self.policy_version.min(initial=0))
+
+  @property
+  def tokens(self) -> np.ndarray:
+    """prompt + completion, int32 [P + C]."""
+    return np.concatenate([self.prompt_tokens, self.completion_tokens]).astype(np.int32)
+
+
+def _fail(reason, traj, message):
+  raise TrajectoryError(reason, f"trajectory {traj.traj_id!r}: {message}")
+
+
+def validate(traj: Trajectory, *, max_length: Optional[int] = None) -> Trajectory:
+  """Checks a record; returns it unchanged or raises `TrajectoryError` with a named reason."""
+  if not isinstance(traj, Trajectory):
+    raise TrajectoryError("bad_field", f"expected a Trajectory, got {type(traj).__name__}")
+  arrays = {
+      "prompt_tokens": traj.prompt_tokens, "completion_tokens": traj.completion_tokens,
+      "action_mask": traj.action_mask, "behavior_logp": traj.behavior_logp,
+      "policy_version": traj.policy_version,
+  }
+  for name, a in arrays.items():
+    if a.ndim != 1:
+      _fail("bad_field", traj, f"{name} must be 1-D, got shape {a.shape}")
+  for name in ("prompt_tokens", "completion_tokens", "policy_version"):
+    if arrays[name].size and not np.issubdtype(arrays[name].dtype, np.integer):
+      _fail("bad_field", traj, f"{name} must hold integers, got dtype {arrays[name].dtype}")
+  if traj.action_mask.size and traj.action_mask.dtype != np.bool_:
+    _fail("bad_field", traj, f"action_mask must be bool, got dtype {traj.action_mask.dtype}")
+  if traj.behavior_logp.size and not np.issubdtype(traj.behavior_logp.dtype, np.floating):
+    _fail("bad_field", traj, f"behavior_logp must be float, got {traj.behavior_logp.dtype}")
+  if traj.finish_reason not in FINISH_REASONS:
+    _fail("bad_field", traj,
+          f"finish_reason={traj.finish_reason!r}; expected one of {FINISH_REASONS}")
+  if traj.prompt_tokens.size == 0:
+    _fail("bad_field", traj, "prompt_tokens is empty; the first action needs a context token")
+  for name in ("prompt_tokens", "completion_tokens"):
+    if arrays[name].size and arrays[name].min() < 0:
+      _fail("bad_field", traj, f"{name} holds a negative token id {arrays[name].min()}")
+
+  C = traj.completion_tokens.shape[0]
+  for name in ("action_mask", "behavior_logp", "policy_version"):
+    if arrays[name].shape[0] != C:
+      _fail("length_mismatch", traj,
+            f"{name} has {arrays[name].shape[0]} entries but completion_tokens has {C}")
+
+  if max_length is not None and traj.length > max_length:
+    _fail("too_long", traj, f"length {traj.length} (prompt {traj.prompt_tokens.shape[0]} + "
+          f"completion {C}) exceeds the configured maximum {max_length}")
+
+  mask = traj.action_mask
+  if not mask.any():
+    _fail("no_action_tokens", traj, "no token has action_mask=True; nothing to learn from")
+
+  blogp = traj.behavior_logp
+  bad = ~np.isfinite(blogp)
+  if bad.any():
+    i = int(np.argmax(bad))
+    _fail("nonfinite_behavior_logp", traj, f"behavior_logp[{i}] = {blogp[i]}")
+  pos = mask & (blogp > 0)
+  if pos.any():
+    i = int(np.argmax(pos))
+    _fail("positive_behavior_logp", traj,
+          f"behavior_logp[{i}] = {blogp[i]} > 0; log-probs must be <= 0")
+  off = ~mask & (blogp != 0)
+  if off.any():
+    i = int(np.argmax(off))
+    _fail("nonzero_logp_off_action", traj,
+          f"behavior_logp[{i}] = {blogp[i]} on a non-action token; it must be 0")
+
+  try:
+    reward = float(traj.reward)
+  except (TypeError, ValueError):
+    _fail("nonfinite_reward", traj, f"reward {traj.reward!r} is not a number")
+  if not math.isfinite(reward):
+    _fail("nonfinite_reward", traj, f"reward = {reward}")
+  return traj
+
+
+def rejection_reason(traj: Trajectory, *, max_length: Optional[int] = None) -> Optional[str]:
+  """The reason `validate` would refuse `traj`, or None if it is accepted."""
+  try:
+    validate(traj, max_length=max_length)
+  except TrajectoryError as e:
+    return e.reason
+  return None

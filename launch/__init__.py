@@ -1,0 +1,1 @@
+"""absl entry points (train, learner, worker, generate, evaluate)."""

@@ -1,0 +1,95 @@
+"""Trajectory validation: every refusal reason, each from a minimal bad record."""
+
+import math
+
+import numpy as np
+import pytest
+
+from fr_jax.trajectory import REASONS, Trajectory, TrajectoryError, rejection_reason, validate
+
+
+def good(**over):
+  kw = dict(
+      prompt_id="p0",
+      prompt_tokens=np.array([1, 2, 3], np.int32),
+      # model turn (2 tokens), tool output (2 tokens, not actions), model turn (1 token)
+      completion_tokens=np.array([10, 11, 50, 51, 12], np.int32),
+      action_mask=np.array([True, True, False, False, True]),
+      behavior_logp=np.array([-0.5, -1.0, 0.0, 0.0, -0.1], np.float32),
+      reward=1.0,
+      policy_version=3,
+      finish_reason="stop",
+      num_tool_calls=1,
+      num_turns=2,
+      env="arith",
+  )
+  kw.update(over)
+  return Trajectory(**kw)
+
+
+def test_good_record_passes_and_reports_counts():
+  t = validate(good())
+  assert t.length == 8
+  assert t.num_action_tokens == 3
+  assert t.policy_version.tolist() == [3] * 5
+  assert t.min_policy_version == 3
+  assert not t.truncated
+  assert validate(good(finish_reason="length")).truncated
+
+
+def test_min_policy_version_counts_action_tokens_only():
+  t = good(policy_version=np.array([4, 4, 2, 2, 5], np.int32))
+  assert t.min_policy_version == 4  # the tool-output tokens (version 2) are not actions
+
+
+CASES = {
+    "nonfinite_behavior_logp": dict(behavior_logp=np.array([-0.5, np.nan, 0, 0, -0.1],
+                                                           np.float32)),
+    "positive_behavior_logp": dict(behavior_logp=np.array([-0.5, 0.2, 0, 0, -0.1], np.float32)),
+    "length_mismatch": dict(action_mask=np.array([True, True, False, False])),
+    "no_action_tokens": dict(action_mask=np.zeros(5, bool),
+                             behavior_logp=np.zeros(5, np.float32)),
+    "nonfinite_reward": dict(reward=math.inf),
+    "nonzero_logp_off_action": dict(behavior_logp=np.array([-0.5, -1.0, -0.3, 0, -0.1],
+                                                           np.float32)),
+    "bad_field": dict(finish_reason="timeout"),
+}
+
+
+@pytest.mark.parametrize("reason", sorted(CASES))
+def test_each_reason(reason):
+  t = good(**CASES[reason])
+  with pytest.raises(TrajectoryError) as e:
+    validate(t)
+  assert e.value.reason == reason
+  assert "p0" in str(e.value)  # the message names the record
+  assert rejection_reason(t) == reason
+
+
+def test_too_long_names_length_and_limit():
+  with pytest.raises(TrajectoryError, match="length 8 .* maximum 7") as e:
+    validate(good(), max_length=7)
+  assert e.value.reason == "too_long"
+  validate(good(), max_length=8)  # the limit is inclusive
+
+
+@pytest.mark.parametrize("over", [
+    dict(prompt_tokens=np.array([], np.int32)),
+    dict(completion_tokens=np.array([10, -11, 50, 51, 12])),
+    dict(behavior_logp=np.array([[-0.5, -1.0, 0, 0, -0.1]])),
+    dict(action_mask=np.array([1, 1, 0, 0, 1])),
+    dict(reward="high"),
+])
+def test_bad_fields(over):
+  reason = rejection_reason(good(**over))
+  assert reason in ("bad_field", "nonfinite_reward")
+
+
+def test_all_reasons_are_covered():
+  assert set(CASES) | {"too_long"} == set(REASONS)
+
+
+def test_nan_reward_and_non_trajectory():
+  assert rejection_reason(good(reward=float("nan"))) == "nonfinite_reward"
+  with pytest.raises(TrajectoryError):
+    validate({"reward": 1})

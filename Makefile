@@ -34,6 +34,7 @@ test-all: $(STAMP)
 bench: $(STAMP)
 	$(VPY) -m experiments.benchmarks.objective
 	$(VPY) -m experiments.benchmarks.model
+	$(VPY) -m experiments.benchmarks.learner
 
 clean-venv:
 	rm -rf $(VENV)

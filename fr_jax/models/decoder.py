@@ -144,6 +144,23 @@ def attention(q, k, v, mask, cd):
   return out.reshape(B, L, H, hd)
 
 
+ATTENTION_BLOCK = 256  # query block for packed causal attention
+
+
+def causal_block_attention(q, k, v, mask, cd, block=ATTENTION_BLOCK):
+  """`attention` for packed causal rows, query block by query block: block j only attends
+  to keys [0, end of block j), so the masked upper triangle is mostly never computed and the
+  score matrices stay [block, <= L]. Same result as `attention` with a causal mask."""
+  L = q.shape[1]
+  if L <= block:
+    return attention(q, k, v, mask, cd)
+  outs = []
+  for s in range(0, L, block):
+    e = min(s + block, L)
+    outs.append(attention(q[:, s:e], k[:, :e], v[:, :e], mask[:, s:e, :e], cd))
+  return jnp.concatenate(outs, axis=1)
+
+
 def _write_cache(cache_l, new, start):
   """cache_l [B, S, KVH, hd] <- new [B, T, KVH, hd] at per-row offsets start [B]."""
   def one(c, n, s):
@@ -166,7 +183,10 @@ def _layer(cfg: ModelConfig, h, lp, cos, sin, mask, cache_kv, cache_start):
   if cache_kv is not None:
     ck, cv = _write_cache(cache_kv[0], k, cache_start), _write_cache(cache_kv[1], v, cache_start)
     k, v, cache_kv = ck, cv, (ck, cv)
-  a = attention(q, k, v, mask, cd).reshape(B, L, H * hd)
+    a = attention(q, k, v, mask, cd)
+  else:
+    a = causal_block_attention(q, k, v, mask, cd)
+  a = a.reshape(B, L, H * hd)
   h = h + dense(a, lp["wo"], lp.get("bo"), cd)
   x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
   g = dense(x, lp["w_gate"], lp.get("b_gate"), cd)

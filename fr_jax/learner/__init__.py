@@ -1,0 +1,1 @@
+"""The learner: sharded jitted update, optimizer, checkpoints, metrics."""

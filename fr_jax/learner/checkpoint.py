@@ -1,0 +1,58 @@
+"""Orbax checkpoints: asynchronous saves every N updates, keeping K.
+
+Each save holds the TrainState (parameters, optimizer state, step = policy version, skipped
+count) and a JSON record with the run config, the prompt/trajectory iterator's state (grain's
+`get_state()`), and anything else the caller adds. `restore()` returns both, with arrays
+placed on the shardings of a template state, so a restart continues exactly where the run
+stopped.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import jax
+import orbax.checkpoint as ocp
+
+
+class Checkpointer:
+  def __init__(self, directory: str, *, every: int = 50, keep: int = 3,
+               async_save: bool = True):
+    if every < 1 or keep < 1:
+      raise ValueError(f"checkpoint every={every} and keep={keep} must be >= 1")
+    self.dir = Path(directory).absolute()
+    self.every = every
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                                           enable_async_checkpointing=async_save)
+    self.manager = ocp.CheckpointManager(self.dir, options=options)
+
+  def latest_step(self) -> Optional[int]:
+    return self.manager.latest_step()
+
+  def should_save(self, step: int) -> bool:
+    return step > 0 and step % self.every == 0
+
+  def save(self, step: int, state, meta: dict, *, force: bool = False) -> bool:
+    """Starts a (possibly asynchronous) save; returns whether one was started."""
+    if not force and not self.should_save(step):
+      return False
+    return self.manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=force)
+
+  def restore(self, template_state, step: Optional[int] = None) -> tuple[Any, dict, int]:
+    """(state, meta, step) of `step` (default: the latest). Raises FileNotFoundError if none."""
+    step = self.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f"no checkpoint in {self.dir}")
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template_state)
+    out = self.manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+    return out["state"], out["meta"], step
+
+  def wait(self):
+    self.manager.wait_until_finished()
+
+  def close(self):
+    self.manager.wait_until_finished()
+    self.manager.close()

@@ -1,0 +1,264 @@
+"""The learner: effects around the pure update step.
+
+`Learner.update(trajectories)` takes one fresh batch of B validated trajectories, packs it
+into bucket-shaped micro-batches, computes the whole batch's normalisers, accumulates the
+micro-batch gradients and makes exactly one optimizer step (k steps in the sequential-
+minibatch ablation), then returns the step's metrics (also written to JSONL/TensorBoard).
+Nothing is replayed. Each (micro-batch shape, final or not) compiles once, ahead of time, and
+its compiled cost analysis gives the FLOPs behind the MFU figure.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from fr_jax import objective as obj
+from fr_jax.learner import checkpoint as ckpt
+from fr_jax.learner import config as lcfg
+from fr_jax.learner import mesh as meshlib
+from fr_jax.learner import optim, step
+from fr_jax.learner.metrics import MetricsWriter
+from fr_jax.models import decoder, registry
+from fr_jax.models.hf_io import save_hf
+from fr_jax.packing import PackingSpec, pack
+from fr_jax.trajectory import Trajectory, validate
+
+log = logging.getLogger("fr_jax.learner")
+
+
+def measure_peak_flops(dtype: str = "float32", n: int = 2048, repeats: int = 5) -> float:
+  """FLOP/s of a jitted n x n matmul on the default device (f32 accumulation)."""
+  dt = jnp.dtype(dtype)
+  a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dt)
+  f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+  f(a, a).block_until_ready()
+  ts = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    f(a, a).block_until_ready()
+    ts.append(time.perf_counter() - t0)
+  return 2 * n**3 / float(np.median(ts))
+
+
+def _flops(compiled) -> float:
+  ca = compiled.cost_analysis()
+  ca = ca[0] if isinstance(ca, (list, tuple)) else ca
+  return float((ca or {}).get("flops", 0.0))
+
+
+class Learner:
+  """Owns the train state, the mesh, compiled steps, checkpoints and metric files."""
+
+  def __init__(self, config: ml_collections.ConfigDict,
+               model: Optional[registry.LoadedModel] = None, devices=None):
+    self.config = lcfg.validate(config)
+    c = self.config
+    if model is None:
+      model = registry.load(c.model.name, param_dtype=c.model.param_dtype,
+                            compute_dtype=c.model.compute_dtype, seed=c.model.seed)
+    self.model_config = model.config.replace(param_dtype=c.model.param_dtype,
+                                             compute_dtype=c.model.compute_dtype)
+    self.tokenizer = model.tokenizer
+    self.mesh = meshlib.make_mesh(c.mesh.data, c.mesh.fsdp, devices)
+    self.spec = PackingSpec(c.packing.row_len, tuple(c.packing.row_buckets),
+                            c.packing.max_segments_per_row)
+    self.optimizer = optim.make_optimizer(c.optim)
+    self.lr_schedule = optim.schedule(c.optim)
+    dtype = jnp.dtype(c.model.param_dtype)
+    # A copy: updates donate the state's buffers, which must never alias the caller's model.
+    params = jax.tree.map(lambda a: jnp.array(a, dtype, copy=True), model.params)
+    params = jax.device_put(params, meshlib.params_sharding(params, self.mesh))
+    self.state = jax.jit(lambda p: step.init_state(p, self.optimizer))(params)
+    self._state_shardings = jax.tree.map(lambda x: x.sharding, self.state)
+    o = c.objective
+    self.step_config = step.StepConfig(
+        model=self.model_config, loss=o.loss, delta=float(o.delta), reduction=o.reduction,
+        trust=o.trust, advantage=o.advantage, clip_eps=float(o.clip_eps),
+        clip_eps_high=float(o.clip_eps_high), temperature=float(o.temperature),
+        remat=bool(c.model.remat))
+    rep = meshlib.replicated(self.mesh)
+    self._jit_update = jax.jit(
+        lambda s, a, b, st: step.update(s, a, b, st, sc=self.step_config,
+                                        optimizer=self.optimizer, lr_schedule=self.lr_schedule),
+        donate_argnums=(0,), out_shardings=(self._state_shardings, rep))
+    self._jit_accumulate = jax.jit(
+        lambda p, a, b, st: step.accumulate(p, a, b, st, sc=self.step_config),
+        donate_argnums=(1,))
+    self._compiled: dict = {}  # (kind, shape, has_acc) -> (executable, flops)
+    self.checkpointer = (ckpt.Checkpointer(c.checkpoint.dir, every=c.checkpoint.every,
+                                           keep=c.checkpoint.keep,
+                                           async_save=c.checkpoint.async_save)
+                         if c.checkpoint.dir else None)
+    self.writer = MetricsWriter(c.log.dir)
+    self._peak = float(c.log.peak_flops) or measure_peak_flops(c.model.compute_dtype)
+    self.skipped_batches: list[list[str]] = []
+
+  # --- state ---
+  @property
+  def version(self) -> int:
+    """Policy version of the current parameters: optimizer steps applied."""
+    return int(self.state.step)
+
+  @property
+  def params(self):
+    return self.state.params
+
+  @property
+  def compile_count(self) -> int:
+    return len(self._compiled)
+
+  # --- compilation ---
+  def _executable(self, kind, *args):
+    b = args[2]
+    key = (kind, b.shape, args[1] is not None)
+    if key not in self._compiled:
+      fn = self._jit_update if kind == "update" else self._jit_accumulate
+      t0 = time.perf_counter()
+      exe = fn.lower(*args).compile()
+      flops = _flops(exe) + (self.model_config.num_layers - 1) * self._layer_flops(b.shape)
+      self._compiled[key] = (exe, flops)
+      log.info("compiled %s for micro-batch %s in %.1fs (%.3g FLOPs)", kind, b.shape,
+               time.perf_counter() - t0, flops)
+    return self._compiled[key]
+
+  def _layer_flops(self, shape) -> float:
+    """XLA's cost analysis counts a scanned layer once: this is one layer's fwd+bwd cost,
+    added (num_layers - 1) times."""
+    R, L, _ = shape
+    cfg = self.model_config
+    lp = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
+                      self.state.params["layers"])
+    h = jax.ShapeDtypeStruct((R, L, cfg.hidden_size), jnp.float32)
+    seg = jax.ShapeDtypeStruct((R, L), jnp.int32)
+
+    def layer_loss(lp, h, seg):
+      pos = jnp.broadcast_to(jnp.arange(L), (R, L))
+      cos, sin = decoder.rope_tables(cfg, pos)
+      fn = lambda lp, h: decoder._layer(cfg, h, lp, cos, sin, decoder.packed_mask(seg),  # noqa
+                                        None, None)[0]
+      if self.step_config.remat:
+        fn = jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
+      return fn(lp, h).sum()
+
+    return _flops(jax.jit(jax.grad(layer_loss, argnums=(0, 1))).lower(lp, h, seg).compile())
+
+  # --- one batch ---
+  def _device_batch(self, b, values_S=None):
+    if values_S is not None:
+      b = b._replace(rewards=values_S)
+    return jax.device_put(b, meshlib.batch_sharding(b, self.mesh))
+
+  def _grpo_advantages(self, trajs: Sequence[Trajectory]) -> np.ndarray:
+    ids = {}
+    groups = np.array([ids.setdefault(t.prompt_id, len(ids)) for t in trajs])
+    rewards = np.array([t.reward for t in trajs], np.float32)
+    return np.asarray(obj.group_advantages(rewards, groups,
+                                           self.config.objective.normalize_std))
+
+  def _apply(self, trajs: Sequence[Trajectory], reward_mean: float,
+             advantages: Optional[np.ndarray]) -> dict:
+    t0 = time.perf_counter()
+    version = self.version
+    packed = pack(trajs, self.spec)
+    B = len(trajs)
+    T = float(sum(t.num_action_tokens for t in trajs))
+    # Whole-batch normalisers: every micro-batch sees B, sum R (as B * mean) and sum T.
+    stats = jax.device_put(obj.BatchStats(np.float32(B), np.float32(reward_mean * B),
+                                          np.float32(T)), meshlib.replicated(self.mesh))
+    acc, flops = None, 0.0
+    for i, b in enumerate(packed.batches):
+      vals = None
+      if advantages is not None:
+        vals = np.where(b.segment_valid, advantages[np.maximum(b.traj_index, 0)], 0.0)
+        vals = vals.astype(np.float32)
+      db = self._device_batch(b, vals)
+      if i + 1 < len(packed.batches):
+        exe, f = self._executable("accumulate", self.state.params, acc, db, stats)
+        acc = exe(self.state.params, acc, db, stats)
+      else:
+        exe, f = self._executable("update", self.state, acc, db, stats)
+        self.state, m = exe(self.state, acc, db, stats)
+      flops += f
+    m = {k: (bool(v) if k == "finite" else float(v)) for k, v in jax.device_get(m).items()}
+    dt = time.perf_counter() - t0
+    lags = [version - t.min_policy_version for t in trajs]
+    m.update(
+        step_time_s=dt, tokens=packed.real_tokens, tokens_per_s=packed.real_tokens / dt,
+        packing_efficiency=packed.efficiency, micro_batches=len(packed.batches),
+        policy_lag_mean=float(np.mean(lags)), policy_lag_max=int(max(lags)),
+        reward_mean=float(np.mean([t.reward for t in trajs])),
+        flops=flops, mfu=flops / dt / self._peak, version=self.version,
+        skipped_total=int(self.state.skipped))
+    if not m["finite"]:
+      ids = [t.traj_id for t in trajs]
+      self.skipped_batches.append(ids)
+      log.warning("non-finite loss or gradient: batch skipped, state kept (trajectories %s)",
+                  ids)
+      m["skipped_traj_ids"] = ids
+    return m
+
+  def update(self, trajs: Sequence[Trajectory], *, log_ids: bool = True) -> dict:
+    """One fresh batch: validates, then one optimizer step (k with `minibatches=k`, the
+    batch split into k consecutive updates whose advantages use the whole batch's mean).
+    Returns the last step's metrics; every step is written to the metric files."""
+    c = self.config
+    max_len = self.spec.max_trajectory_length
+    for t in trajs:
+      validate(t, max_length=max_len)
+    k = c.minibatches
+    if len(trajs) != c.batch_size * k:
+      raise ValueError(f"update() needs batch_size*minibatches = {c.batch_size}*{k} = "
+                       f"{c.batch_size * k} trajectories, got {len(trajs)}")
+    reward_mean = float(np.mean([t.reward for t in trajs]))
+    adv = self._grpo_advantages(trajs) if c.objective.loss == "grpo" else None
+    B = c.batch_size
+    m = {}
+    for j in range(k):
+      chunk = trajs[j * B:(j + 1) * B]
+      m = self._apply(chunk, reward_mean, None if adv is None else adv[j * B:(j + 1) * B])
+      if log_ids:
+        m["traj_ids"] = [t.traj_id for t in chunk]
+      self.writer.write(m["version"], m)
+    return m
+
+  # --- checkpoints and export ---
+  def save(self, data_state=None, *, force: bool = False, extra: Optional[dict] = None) -> bool:
+    """Saves (asynchronously) every `checkpoint.every` versions, or now with force=True."""
+    if self.checkpointer is None:
+      return False
+    v = self.version
+    if not force and not self.checkpointer.should_save(v):
+      return False
+    # A copy, so the asynchronous write never reads buffers the next update donates.
+    state = jax.tree.map(jnp.copy, self.state)
+    meta = {"config": self.config.to_dict(), "policy_version": v, "data_state": data_state,
+            "skipped": int(self.state.skipped), "extra": extra or {}}
+    return self.checkpointer.save(v, state, meta, force=force)
+
+  def restore(self, step_: Optional[int] = None) -> Optional[dict]:
+    """Restores the latest checkpoint if there is one; returns its meta (with data_state)."""
+    if self.checkpointer is None or self.checkpointer.latest_step() is None:
+      return None
+    state, meta, s = self.checkpointer.restore(self.state, step_)
+    self.state = jax.device_put(state, self._state_shardings)
+    log.info("restored checkpoint at version %d from %s", s, self.checkpointer.dir)
+    return meta
+
+  def export_hf(self, path) -> str:
+    """Writes the current parameters as a HF safetensors directory (for SGLang)."""
+    params = jax.device_get(self.state.params)
+    files = self.tokenizer.files() if self.tokenizer is not None else None
+    return str(save_hf(path, params, self.model_config, tokenizer_files=files))
+
+  def close(self):
+    if self.checkpointer is not None:
+      self.checkpointer.close()
+    self.writer.close()
+

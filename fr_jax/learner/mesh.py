@@ -1,0 +1,64 @@
+"""The (data, fsdp) device mesh and the sharding rules for parameters and packed batches.
+
+* Packed rows are split over both axes (data parallelism across the whole mesh).
+* Each parameter is split over `fsdp` along its largest dimension that divides evenly
+  (never the stacked-layer axis); everything else is replicated. Optimizer state follows
+  the parameter it belongs to (jit propagates the parameter shardings into optax's init).
+* Per-trajectory slot arrays ([S]) are replicated: they are tiny.
+
+The update is a jitted function with these shardings; XLA inserts the collectives, so global
+quantities (B, the reward mean, metric sums) are reduced across the mesh.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+BATCH_AXES = ("data", "fsdp")
+
+
+def make_mesh(data: int = 1, fsdp: int = 1, devices=None) -> jax.sharding.Mesh:
+  n = data * fsdp
+  devices = list(jax.devices() if devices is None else devices)
+  if n > len(devices):
+    raise ValueError(f"mesh data={data} x fsdp={fsdp} needs {n} devices; "
+                     f"{len(devices)} are available")
+  return jax.make_mesh((data, fsdp), ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2,
+                       devices=devices[:n])
+
+
+def param_spec(shape, fsdp: int, stacked: bool) -> P:
+  """Shard the largest evenly divisible dim over fsdp (skipping a leading layer axis)."""
+  if fsdp == 1 or len(shape) == 0:
+    return P()
+  first = 1 if stacked else 0
+  dims = sorted(range(first, len(shape)), key=lambda d: -shape[d])
+  for d in dims:
+    if shape[d] % fsdp == 0 and shape[d] >= fsdp:
+      spec = [None] * len(shape)
+      spec[d] = "fsdp"
+      return P(*spec)
+  return P()
+
+
+def params_sharding(params, mesh):
+  fsdp = mesh.shape["fsdp"]
+
+  def one(path, x):
+    stacked = any(getattr(k, "key", None) == "layers" for k in path)
+    return NamedSharding(mesh, param_spec(np.shape(x), fsdp, stacked))
+
+  return jax.tree_util.tree_map_with_path(one, params)
+
+
+def batch_sharding(batch, mesh):
+  """[R, L] fields split over rows across the whole mesh; [S] fields replicated."""
+  rows = NamedSharding(mesh, P(BATCH_AXES))
+  rep = NamedSharding(mesh, P())
+  return type(batch)(*[rows if np.ndim(x) == 2 else rep for x in batch])
+
+
+def replicated(mesh):
+  return NamedSharding(mesh, P())

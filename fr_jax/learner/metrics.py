@@ -1,0 +1,65 @@
+"""Metric sinks: one JSON object per line (`metrics.jsonl`) and TensorBoard event files,
+written with the `tensorboard` package alone (no TensorFlow)."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Optional
+
+from tensorboard.compat.proto import event_pb2, summary_pb2
+from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+
+def _scalar(v):
+  try:
+    f = float(v)
+  except (TypeError, ValueError):
+    return None
+  return f
+
+
+class MetricsWriter:
+  """Writes scalar metrics per step to `<dir>/metrics.jsonl` and `<dir>/tb/`."""
+
+  def __init__(self, directory: Optional[str]):
+    self.dir = Path(directory) if directory else None
+    self._jsonl = None
+    self._tb = None
+    if self.dir:
+      self.dir.mkdir(parents=True, exist_ok=True)
+      self._jsonl = open(self.dir / "metrics.jsonl", "a", buffering=1)
+      self._tb = EventFileWriter(str(self.dir / "tb"))
+
+  def write(self, step: int, metrics: dict, prefix: str = "") -> None:
+    if not self.dir:
+      return
+    row = {"step": int(step), "time": time.time()}
+    values = []
+    for k, v in metrics.items():
+      f = _scalar(v)
+      if f is None:
+        row[k] = v  # lists, strings: JSONL only
+        continue
+      row[k] = f if math.isfinite(f) else str(f)
+      values.append(summary_pb2.Summary.Value(tag=f"{prefix}{k}", simple_value=f))
+    self._jsonl.write(json.dumps(row) + "\n")
+    self._tb.add_event(event_pb2.Event(wall_time=row["time"], step=int(step),
+                                       summary=summary_pb2.Summary(value=values)))
+
+  def flush(self):
+    if self._tb:
+      self._tb.flush()
+
+  def close(self):
+    if self._jsonl:
+      self._jsonl.close()
+      self._tb.close()
+      self._jsonl = self._tb = None
+
+
+def read_jsonl(path) -> list[dict]:
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,152 @@
+"""The pure update: (state, packed micro-batch) -> (state, metrics).
+
+One fresh batch of B trajectories is packed into one or more bucket-shaped micro-batches.
+Every micro-batch is scored with the batch's global normalisers (`BatchStats`: B, sum R,
+sum T), so its loss and gradient are unreduced parts of the one-batch objective; summing them
+gives exactly the one-pass gradient. The last micro-batch applies one optimizer step.
+
+A batch whose loss or gradient norm is not finite applies nothing: the state is kept and
+`skipped` is incremented.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fr_jax import objective as obj
+from fr_jax.models import decoder
+from fr_jax.models.config import ModelConfig
+
+
+class TrainState(NamedTuple):
+  step: jax.Array  # int32: optimizer steps applied (= the policy version of `params`)
+  params: Any
+  opt_state: Any
+  skipped: jax.Array  # int32: batches refused by the non-finite guard
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+  """Everything static the update step closes over (hashable)."""
+
+  model: ModelConfig
+  loss: str = "flash_reinforce"  # or grpo (batch.rewards then holds advantages)
+  delta: float = 3e-3
+  reduction: str = "sample_mean"
+  trust: str = "sequence"
+  advantage: str = "batch_centered"
+  clip_eps: float = 0.2
+  clip_eps_high: float = 0.2
+  temperature: float = 1.0
+  remat: bool = True
+
+
+def init_state(params, optimizer: optax.GradientTransformation) -> TrainState:
+  return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params),
+                    jnp.zeros((), jnp.int32))
+
+
+_SUMS = ("loss", "admitted", "trajectories", "tokens", "seq_kl_sum", "ratio_sum",
+         "entropy_sum", "token_kl_sum")
+_MAXES = ("seq_kl_max", "ratio_max")
+
+
+def _grads_and_sums(params, batch, stats: obj.BatchStats, sc: StepConfig):
+  """Gradient and metric sums of one micro-batch's share of the batch objective."""
+
+  def loss_fn(params):
+    logp, entropy = decoder.score_packed(params, sc.model, batch.tokens, batch.targets,
+                                         batch.positions, batch.segment_ids, sc.temperature,
+                                         remat=sc.remat)
+    if sc.loss == "flash_reinforce":
+      loss, aux = obj.flash_reinforce_loss_packed(
+          logp, batch.behavior_logp, batch.action_mask, batch.segment_ids, batch.rewards,
+          batch.segment_valid, delta=sc.delta, reduction=sc.reduction, trust=sc.trust,
+          advantage=sc.advantage, stats=stats)
+    else:
+      loss, aux = obj.ppo_clip_loss_packed(
+          logp, batch.behavior_logp, batch.action_mask, batch.segment_ids, batch.rewards,
+          batch.segment_valid, clip_eps=sc.clip_eps, clip_eps_high=sc.clip_eps_high,
+          reduction=sc.reduction, stats=stats)
+    return loss, (aux, logp, entropy)
+
+  (loss, (aux, logp, entropy)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+  mask = batch.action_mask
+  valid = batch.segment_valid
+  f32 = jnp.float32
+  n_tok = mask.sum().astype(f32)
+  logp = jax.lax.stop_gradient(logp)
+  rho = jnp.where(mask, jnp.exp(logp - batch.behavior_logp), 0.0)
+  seq_kl = aux.get("seq_kl", jnp.zeros(valid.shape, f32))
+  admitted = aux.get("admitted", valid)
+  d = jnp.where(mask, obj.bernoulli_kl(batch.behavior_logp, logp), 0.0)
+  sums = {
+      "loss": loss,
+      "admitted": (admitted & valid).sum().astype(f32),
+      "trajectories": valid.sum().astype(f32),
+      "tokens": n_tok,
+      "seq_kl_sum": jnp.where(valid, seq_kl, 0.0).sum(),
+      "ratio_sum": rho.sum(),
+      "entropy_sum": jnp.where(mask, entropy, 0.0).sum(),
+      "token_kl_sum": d.sum(),
+  }
+  maxes = {"seq_kl_max": jnp.where(valid, seq_kl, 0.0).max(), "ratio_max": rho.max()}
+  return grads, sums, maxes
+
+
+def _add(acc, grads, sums, maxes):
+  if acc is None:
+    return {"grads": grads, "sums": sums, "maxes": maxes}
+  return {"grads": jax.tree.map(jnp.add, acc["grads"], grads),
+          "sums": {k: acc["sums"][k] + v for k, v in sums.items()},
+          "maxes": {k: jnp.maximum(acc["maxes"][k], v) for k, v in maxes.items()}}
+
+
+def accumulate(params, acc: Optional[dict], batch, stats, *, sc: StepConfig) -> dict:
+  """A non-final micro-batch: add its gradient and metric sums to `acc` (None to start)."""
+  return _add(acc, *_grads_and_sums(params, batch, stats, sc))
+
+
+def update(state: TrainState, acc: Optional[dict], batch, stats, *, sc: StepConfig,
+           optimizer: optax.GradientTransformation, lr_schedule):
+  """The final micro-batch of a batch: accumulate it, then one guarded optimizer step.
+
+  Returns (state, metrics); metrics are scalars (device arrays).
+  """
+  acc = _add(acc, *_grads_and_sums(state.params, batch, stats, sc))
+  grads, sums, maxes = acc["grads"], acc["sums"], acc["maxes"]
+  grad_norm = optax.tree.norm(grads)
+  ok = jnp.isfinite(sums["loss"]) & jnp.isfinite(grad_norm)
+  # Zero non-finite grads before the optimizer so the (discarded) branch stays NaN-free.
+  safe = jax.tree.map(lambda g: jnp.where(ok, g, 0.0), grads)
+  updates, opt_state = optimizer.update(safe, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa
+  new_state = TrainState(
+      step=state.step + ok.astype(jnp.int32),
+      params=keep(params, state.params),
+      opt_state=keep(opt_state, state.opt_state),
+      skipped=state.skipped + (~ok).astype(jnp.int32))
+  n_traj = jnp.maximum(sums["trajectories"], 1.0)
+  n_tok = jnp.maximum(sums["tokens"], 1.0)
+  metrics = {
+      "loss": sums["loss"],
+      "acceptance_rate": sums["admitted"] / n_traj,
+      "kl_proxy_mean": sums["seq_kl_sum"] / n_traj,
+      "kl_proxy_max": maxes["seq_kl_max"],
+      "token_kl_mean": sums["token_kl_sum"] / n_tok,
+      "ratio_mean": sums["ratio_sum"] / n_tok,
+      "ratio_max": maxes["ratio_max"],
+      "entropy": sums["entropy_sum"] / n_tok,
+      "grad_norm": grad_norm,
+      "lr": lr_schedule(state.step),
+      "action_tokens": sums["tokens"],
+      "trajectories": sums["trajectories"],
+      "finite": ok,
+  }
+  return new_state, metrics

@@ -1,0 +1,247 @@
+"""The learner: mesh == single device, accumulation == one pass, restart == uninterrupted,
+one compile per bucket, the non-finite guard, ablation modes, schedule, metric files."""
+
+import json
+import math
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fr_jax import objective as obj
+from fr_jax.learner import config as lcfg
+from fr_jax.learner import optim, step, synthetic
+from fr_jax.learner.checkpoint import Checkpointer
+from fr_jax.learner.learner import Learner
+from fr_jax.learner.metrics import read_jsonl
+from fr_jax.models import registry
+from fr_jax.packing import PackingSpec, pack
+from tests import learner_driver
+
+
+def tiny_config(**kw):
+  c = lcfg.default_config()
+  c.model.name = "tiny-llama"
+  c.batch_size = 8
+  c.packing.row_len = 128
+  c.packing.row_buckets = (8,)
+  c.objective.delta = math.inf
+  c.optim.lr = 1e-2
+  c.optim.warmup_frac = 0.0
+  c.optim.total_steps = 10
+  c.log.peak_flops = 1e11
+  for k, v in kw.items():
+    node = c
+    *path, last = k.split(".")
+    for p in path:
+      node = node[p]
+    node[last] = v
+  return c
+
+
+def batches(n, B=8, seed=0, **kw):
+  it = iter(synthetic.dataset(seed=seed, vocab_size=256, max_len=100, **kw).to_iter_dataset())
+  return [synthetic.take(it, B) for _ in range(n)]
+
+
+def max_diff(a, b):
+  return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_mesh_4x2_equals_single_device():
+  data = batches(3)
+  # lr 1e-3: Adam turns float-reordering noise in near-zero gradients into sign flips of
+  # size ~lr, so the comparison is meaningful only well below the 1e-5 bound per step.
+  single = Learner(tiny_config(**{"optim.lr": 1e-3}), devices=jax.devices()[:1])
+  mesh = Learner(tiny_config(**{"optim.lr": 1e-3, "mesh.data": 4, "mesh.fsdp": 2}))
+  # Parameters really are split over fsdp and the batch rows over the whole mesh.
+  wq = mesh.state.params["layers"]["wq"]
+  assert len({str(s.index) for s in wq.addressable_shards}) == 2
+  for b in data:
+    m1 = single.update(b)
+    m8 = mesh.update(b)
+    assert m1["grad_norm"] > 0
+    assert m8["loss"] == pytest.approx(m1["loss"], rel=1e-5, abs=1e-7)
+  assert single.version == mesh.version == 3
+  assert max_diff(single.params, mesh.params) <= 1e-5
+  assert max_diff(single.params, registry.load("tiny-llama").params) > 2e-3  # it trained
+
+
+def test_grad_accumulation_over_4_micro_batches_equals_one_pass():
+  (b,) = batches(1, fixed_completion=40)  # 45-56 tokens each: one per 64-token row
+  c = tiny_config(**{"packing.row_len": 64})
+  L1 = Learner(c)
+  sc = L1.step_config
+  params = L1.params
+  B = len(b)
+  stats = obj.BatchStats(jnp.float32(B), jnp.float32(sum(t.reward for t in b)),
+                         jnp.float32(sum(t.num_action_tokens for t in b)))
+  one = pack(b, PackingSpec(64, (8,), 32)).batches
+  four = pack(b, PackingSpec(64, (2,), 32)).batches
+  assert len(one) == 1 and len(four) == 4
+  acc = jax.jit(lambda p, a, b, st: step.accumulate(p, a, b, st, sc=sc))
+  g1 = acc(params, None, one[0], stats)
+  g4 = None
+  for mb in four:
+    g4 = acc(params, g4, mb, stats)
+  assert float(optim.optax.tree.norm(g1["grads"])) > 0
+  assert max_diff(g1["grads"], g4["grads"]) <= 1e-5
+  assert float(g1["sums"]["loss"]) == pytest.approx(float(g4["sums"]["loss"]), abs=1e-6)
+  # End to end: the learner with 2-row buckets makes the same update as with 8-row ones.
+  L4 = Learner(tiny_config(**{"packing.row_len": 64, "packing.row_buckets": (2,)}))
+  m1, m4 = L1.update(b), L4.update(b)
+  assert m1["micro_batches"] == 1 and m4["micro_batches"] == 4
+  assert max_diff(L1.params, L4.params) <= 1e-5
+
+
+def test_restart_equals_uninterrupted_run(tmp_path):
+  N = 3
+
+  def run(workdir, until):
+    r = subprocess.run([sys.executable, "-m", "tests.learner_driver", f"--workdir={workdir}",
+                        f"--until={until}"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+  run(tmp_path / "a", 2 * N)
+  run(tmp_path / "b", N)
+  run(tmp_path / "b", 2 * N)  # a new process: restores params, optimizer and data stream
+  states = {}
+  for name in ("a", "b"):
+    learner = Learner(learner_driver.config(str(tmp_path / name)))
+    learner.restore()
+    states[name] = learner.state
+    learner.close()
+  assert int(states["a"].step) == int(states["b"].step) == 2 * N
+  assert max_diff(states["a"].params, states["b"].params) == 0.0
+  assert max_diff(states["a"].opt_state, states["b"].opt_state) == 0.0
+  ids = {n: [r["traj_ids"] for r in read_jsonl(tmp_path / n / "metrics.jsonl")]
+         for n in ("a", "b")}
+  assert len(ids["b"]) == 2 * N and ids["a"] == ids["b"]
+  flat = [i for step_ids in ids["b"] for i in step_ids]
+  assert len(flat) == len(set(flat))  # nothing repeated
+
+
+def test_compile_count_over_50_ragged_steps_is_at_most_the_buckets():
+  c = tiny_config(**{"packing.row_buckets": (2, 4, 6, 8), "optim.lr": 1e-4})
+  learner = Learner(c)
+  shapes = set()
+  for i, b in enumerate(batches(50, seed=3, median_completion=20.0, sigma=0.9)):
+    m = learner.update(b, log_ids=False)
+    shapes.add(m["micro_batches"])
+  assert learner.version == 50
+  assert learner.compile_count <= len(c.packing.row_buckets)
+  assert learner.compile_count >= 2  # the raggedness did reach several buckets
+
+
+def test_non_finite_batch_is_skipped_and_state_unchanged():
+  learner = Learner(tiny_config(**{"objective.trust": "none"}))
+  good, bad = batches(2)
+  learner.update(good)
+  before = jax.tree.map(jnp.copy, learner.state)
+  t = bad[0]
+  i = int(np.flatnonzero(t.action_mask)[0])
+  t.behavior_logp[i] = -1e30  # finite and <= 0, so valid; rho = exp(+huge) = inf
+  m = learner.update(bad)
+  assert m["finite"] is False and m["skipped_total"] == 1
+  assert m["skipped_traj_ids"] == [x.traj_id for x in bad]
+  assert learner.version == 1
+  assert max_diff(before.params, learner.state.params) == 0.0
+  assert max_diff(before.opt_state, learner.state.opt_state) == 0.0
+  m = learner.update(batches(1, seed=9)[0])  # and training continues
+  assert m["finite"] and learner.version == 2
+
+
+def test_sequential_minibatches_use_the_whole_batch_mean():
+  b = batches(1, B=8)[0]
+  for i, t in enumerate(b):
+    t.reward = 1.0 if i < 4 else 0.0  # minibatch 1: all ones; minibatch 2: all zeros
+  learner = Learner(tiny_config(batch_size=4, minibatches=2))
+  m = learner.update(b)
+  assert learner.version == 2
+  # With per-minibatch baselines both minibatches would have A = 0 and no gradient.
+  assert m["grad_norm"] > 0
+
+
+def test_grpo_mode_uses_group_advantages():
+  b = batches(1, B=8)[0]
+  for i, t in enumerate(b):  # 4 prompts, 2 samples each
+    t.prompt_id = f"q{i // 2}"
+  learner = Learner(tiny_config(**{"objective.loss": "grpo"}))
+  for t in b:
+    t.reward = 1.0  # equal rewards inside every group: all advantages 0
+  assert learner.update(b)["grad_norm"] == 0.0
+  for i, t in enumerate(b):
+    t.reward = float(i % 2)
+  adv = learner._grpo_advantages(b)
+  # Each group (0, 1): mean 1/2, unbiased std sqrt(1/2) -> A = -+ (1/2) / (sqrt(1/2) + 1e-6).
+  a = 0.5 / (math.sqrt(0.5) + 1e-6)
+  np.testing.assert_allclose(adv, [-a, a] * 4, rtol=1e-5)
+  assert learner.update(b)["grad_norm"] > 0
+
+
+def test_schedule_warmup_then_cosine_to_min_ratio():
+  c = lcfg.default_config().optim
+  c.lr, c.total_steps, c.warmup_frac, c.min_lr_ratio = 1e-3, 100, 0.1, 0.1
+  s = optim.schedule(c)
+  assert float(s(0)) == 0.0
+  assert float(s(5)) == pytest.approx(0.5e-3)
+  assert float(s(10)) == pytest.approx(1e-3)
+  mid = 1e-4 + 0.5 * (1e-3 - 1e-4) * (1 + math.cos(math.pi * 45 / 90))
+  assert float(s(55)) == pytest.approx(mid, rel=1e-5)
+  assert float(s(100)) == pytest.approx(1e-4)
+  mask = optim.decay_mask(registry.load("tiny-qwen2").params)
+  assert mask["layers"]["wq"] and not mask["layers"]["bq"] and not mask["final_norm"]
+
+
+def test_metric_files_jsonl_and_tensorboard(tmp_path):
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+  learner = Learner(tiny_config(**{"log.dir": str(tmp_path)}))
+  for b in batches(2):
+    learner.update(b)
+  learner.close()
+  rows = read_jsonl(tmp_path / "metrics.jsonl")
+  need = {"loss", "acceptance_rate", "kl_proxy_mean", "kl_proxy_max", "ratio_mean",
+          "ratio_max", "entropy", "grad_norm", "lr", "tokens", "packing_efficiency",
+          "policy_lag_mean", "policy_lag_max", "step_time_s", "tokens_per_s", "mfu"}
+  assert [r["step"] for r in rows] == [1, 2] and need <= set(rows[0])
+  assert rows[1]["policy_lag_max"] == 1  # synthetic trajectories carry version 0
+  ea = EventAccumulator(str(tmp_path / "tb"))
+  ea.Reload()
+  assert need <= set(ea.Tags()["scalars"])
+  assert [e.step for e in ea.Scalars("loss")] == [1, 2]
+
+
+def test_checkpoint_keep_and_export(tmp_path):
+  learner = Learner(tiny_config(**{"checkpoint.dir": str(tmp_path / "c"), "checkpoint.every": 2,
+                                   "checkpoint.keep": 2}))
+  for i, b in enumerate(batches(6)):
+    learner.update(b)
+    learner.save(data_state={"i": i})
+  learner.checkpointer.wait()
+  assert sorted(learner.checkpointer.manager.all_steps()) == [4, 6]
+  out = learner.export_hf(tmp_path / "hf")
+  again = registry.load(f"hf:{out}")
+  assert max_diff(jax.device_get(learner.params), again.params) == 0.0
+  learner.close()
+  with pytest.raises(FileNotFoundError):
+    Checkpointer(str(tmp_path / "empty")).restore(learner.state)
+
+
+def test_config_errors_name_the_field():
+  with pytest.raises(lcfg.ConfigError, match="objective.trust='seq'"):
+    Learner(tiny_config(**{"objective.trust": "seq"}))
+  with pytest.raises(lcfg.ConfigError, match="multiples of the mesh size"):
+    Learner(tiny_config(**{"mesh.data": 4, "packing.row_buckets": (2, 4)}))
+  learner = Learner(tiny_config())
+  with pytest.raises(ValueError, match="needs batch_size"):
+    learner.update(batches(1, B=5)[0])
+  bad = batches(1)[0]
+  bad[2].reward = float("nan")
+  with pytest.raises(Exception, match="nonfinite_reward"):
+    learner.update(bad)
+  assert learner.version == 0
+  json.dumps(learner.config.to_dict())  # the config is checkpointable as JSON

@@ -35,6 +35,7 @@ bench: $(STAMP)
 	$(VPY) -m experiments.benchmarks.objective
 	$(VPY) -m experiments.benchmarks.model
 	$(VPY) -m experiments.benchmarks.learner
+	$(VPY) -m experiments.benchmarks.rollout
 
 clean-venv:
 	rm -rf $(VENV)

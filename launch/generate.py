@@ -65,8 +65,10 @@ def run() -> dict:
   ids = _parse_ids(FLAGS.score_ids) if FLAGS.score_ids is not None else None
   # Heavy imports after flag checks, so usage errors are instant.
   import jax.numpy as jnp
-  from fr_jax.models import decoder, registry, sampling
+  from fr_jax.models import decoder, registry
   from fr_jax.models.hf_io import CheckpointError
+  from fr_jax.rollout.embedded import EmbeddedEngine
+  from fr_jax.rollout.engine import Request
   try:
     m = registry.load(FLAGS.model, param_dtype=FLAGS.dtype, compute_dtype=FLAGS.dtype)
   except (registry.ModelNotFound, CheckpointError, FileNotFoundError) as e:
@@ -91,16 +93,20 @@ def run() -> dict:
   if FLAGS.chat:
     text = tok.apply_chat_template([{"role": "user", "content": text}])
   prompt_ids = tok.encode(text)
+  total = len(prompt_ids) + FLAGS.max_new_tokens
+  if total > cfg.max_position_embeddings:
+    raise UsageError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({FLAGS.max_new_tokens}) = "
+                     f"{total} exceeds the model's {cfg.max_position_embeddings} positions")
+  engine = EmbeddedEngine(cfg, m.params, tokenizer=tok, num_slots=1, max_len=total)
   try:
-    out, lps, finish = sampling.generate(
-        m.params, cfg, prompt_ids, max_new_tokens=FLAGS.max_new_tokens,
-        temperature=FLAGS.temperature, top_p=FLAGS.top_p, seed=FLAGS.seed,
-        stop_ids=tok.stop_ids())
+    (c,) = engine.generate([Request("cli", prompt_ids, FLAGS.max_new_tokens,
+                                    temperature=FLAGS.temperature, top_p=FLAGS.top_p,
+                                    seed=FLAGS.seed, stop_token_ids=tuple(tok.stop_ids()))])
   except ValueError as e:
     raise UsageError(str(e))
-  return {"model": FLAGS.model, "prompt_token_ids": prompt_ids, "token_ids": out,
-          "logprobs": lps, "text": tok.decode(out, skip_special_tokens=True),
-          "finish_reason": finish}
+  return {"model": FLAGS.model, "prompt_token_ids": prompt_ids, "token_ids": c.token_ids,
+          "logprobs": c.logprobs, "text": tok.decode(c.token_ids, skip_special_tokens=True),
+          "finish_reason": c.finish_reason}
 
 
 def parse_flags_or_exit(argv):

@@ -12,7 +12,9 @@ import pytest
 import torch
 import transformers
 
-from fr_jax.models import decoder, registry, sampling
+from fr_jax.models import decoder, registry
+from fr_jax.rollout.embedded import EmbeddedEngine
+from fr_jax.rollout.engine import Request
 from fr_jax.models.gguf_io import load_gguf, permute_rope, unpermute_rope
 
 
@@ -90,8 +92,9 @@ def test_smollm2_loads_fast_and_says_paris(smol):
   assert smol.load_seconds < 30, smol.load_seconds
   tok = smol.tokenizer
   ids = tok.encode("The capital of France is")
-  out = sampling.greedy_ids(smol.params, smol.config, ids, 4)
-  assert tok.decode(out).startswith(" Paris")
+  eng = EmbeddedEngine(smol.config, smol.params, num_slots=1, max_len=32)
+  (c,) = eng.generate([Request("paris", ids, 4, temperature=0.0)])
+  assert tok.decode(c.token_ids).startswith(" Paris")
 
 
 def test_smollm2_logits_match_transformers_gguf_loader(smol, hf_smol):

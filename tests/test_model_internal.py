@@ -56,8 +56,8 @@ def test_causal_block_attention_equals_full_attention():
   blocked = lambda q, k, v: decoder.causal_block_attention(q, k, v, mask, jnp.float32,  # noqa
                                                            block=8)
   np.testing.assert_allclose(blocked(q, k, v), full(q, k, v), atol=1e-6)
-  g_full = jax.grad(lambda *a: (full(*a) ** 2).sum(), argnums=(0, 1, 2))(q, k, v)
-  g_blk = jax.grad(lambda *a: (blocked(*a) ** 2).sum(), argnums=(0, 1, 2))(q, k, v)
+  g_full = jax.jit(jax.grad(lambda *a: (full(*a) ** 2).sum(), argnums=(0, 1, 2)))(q, k, v)
+  g_blk = jax.jit(jax.grad(lambda *a: (blocked(*a) ** 2).sum(), argnums=(0, 1, 2)))(q, k, v)
   for a, b in zip(g_full, g_blk):
     np.testing.assert_allclose(a, b, atol=1e-5)
 
@@ -151,17 +151,6 @@ def test_sampling_logprobs_are_those_of_the_sampler():
   np.testing.assert_array_equal(tok, np.argmax(np.asarray(logits), -1))
   np.testing.assert_allclose(lp, log_softmax(np.asarray(logits, np.float64), -1).max(-1),
                              atol=1e-5)
-
-
-def test_generate_logprobs_match_teacher_forced_scoring():
-  m = registry.load("tiny-qwen2", seed=6)
-  prompt = [5, 9, 33, 7]
-  out, lps, _ = sampling.generate(m.params, m.config, prompt, max_new_tokens=10,
-                                  temperature=0.8, seed=3)
-  seq = np.array(prompt + out)
-  ref = log_softmax(full_logits(m.params, m.config, seq[:-1]).astype(np.float64) / 0.8, -1)
-  ref = np.take_along_axis(ref, seq[1:, None], -1)[len(prompt) - 1:, 0]
-  np.testing.assert_allclose(lps, ref, atol=1e-4)
 
 
 def test_bf16_compute_is_close_to_f32():

@@ -23,14 +23,13 @@ then `summary` with the speed ratios.
 """
 
 import gc
-import json
-import os
-import platform
-import statistics
-import time
 
 from absl import app, flags, logging
 import numpy as np
+
+from experiments.benchmarks.common import emitter, machine, timed
+
+emit = emitter("learner")
 
 flags.DEFINE_integer("repeats", 3, "timed updates per implementation (median reported)")
 flags.DEFINE_list("cases", ["fixed", "ragged"], "which cases to run")
@@ -42,10 +41,6 @@ CASES = {
     "fixed": dict(B=8, row_len=256, buckets=(8,)),
     "ragged": dict(B=16, row_len=1024, buckets=(1, 2, 3, 4, 5, 6, 7, 8)),
 }
-
-
-def emit(kind, **kw):
-  print(json.dumps({"bench": "learner", "kind": kind, **kw}), flush=True)
 
 
 def make_trajectories(case, vocab, rng):
@@ -80,16 +75,6 @@ def set_behaviour_logp(trajs, params, cfg, row_len, rng):
       own = lp[r, cols][len(t.prompt_tokens) - 1:]
       own = np.minimum(own + 0.02 * rng.standard_normal(own.shape), 0.0)
       t.behavior_logp = np.where(t.action_mask, own, 0.0).astype(np.float32)
-
-
-def timed(fn, repeats):
-  fn()  # warm-up (compiles)
-  ts = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    fn()
-    ts.append(time.perf_counter() - t0)
-  return statistics.median(ts), ts
 
 
 def torch_peer(trajs, cfg, repeats, delta):
@@ -156,9 +141,7 @@ def main(argv):
   from fr_jax.learner.learner import Learner, measure_peak_flops
   from fr_jax.models import registry
 
-  emit("machine", platform=platform.platform(), python=platform.python_version(),
-       cpu_count=os.cpu_count(), jax=jax.__version__, backend=jax.default_backend(),
-       device=str(jax.devices()[0]))
+  emit("machine", **machine())
   peaks = {d: measure_peak_flops(d) for d in ("float32", "bfloat16")}
   emit("matmul_peak", float32_gflops=round(peaks["float32"] / 1e9, 1),
        bf16_in_f32_acc_gflops=round(peaks["bfloat16"] / 1e9, 1))
@@ -194,7 +177,7 @@ def main(argv):
            mfu_xla=round(m["flops"] / med / peaks[dtype], 3),
            acceptance_rate=m["acceptance_rate"], loss=m["loss"], compiles=learner.compile_count)
       learner.close()
-      del learner, ms
+      learner = ms = None  # drop buffers before the next compile
       gc.collect()
       jax.clear_caches()
     if F.torch_peer:

@@ -17,14 +17,12 @@ peak for its dtype), and `summary` with the ratios. Model FLOPs are analytic
 forward + backward); XLA's cost analysis counts a scanned layer body once, so it is not used.
 """
 
-import json
-import os
-import platform
-import statistics
-import time
-
 from absl import app, flags, logging
 import numpy as np
+
+from experiments.benchmarks.common import emitter, machine, timed
+
+emit = emitter("model")
 
 flags.DEFINE_integer("batch", 8, "sequences per step")
 flags.DEFINE_integer("seq", 256, "tokens per sequence")
@@ -32,21 +30,6 @@ flags.DEFINE_integer("repeats", 5, "timed steps per implementation (median repor
 flags.DEFINE_integer("matmul_n", 2048, "size of the square matmul for the peak measurement")
 flags.DEFINE_bool("torch_peer", True, "also time the transformers peer")
 F = flags.FLAGS
-
-
-def emit(kind, **kw):
-  print(json.dumps({"bench": "model", "kind": kind, **kw}), flush=True)
-
-
-def timed(fn, repeats, warmup=1):
-  for _ in range(warmup):
-    fn()
-  ts = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    fn()
-    ts.append(time.perf_counter() - t0)
-  return statistics.median(ts), ts
 
 
 def matmul_peak(n, repeats):
@@ -70,9 +53,7 @@ def main(argv):
   from fr_jax.models import decoder, registry
 
   B, T = F.batch, F.seq
-  emit("machine", platform=platform.platform(), python=platform.python_version(),
-       cpu_count=os.cpu_count(), jax=jax.__version__, backend=jax.default_backend(),
-       device=str(jax.devices()[0]))
+  emit("machine", **machine())
   peak = matmul_peak(F.matmul_n, F.repeats)
   emit("matmul_peak", n=F.matmul_n, float32_gflops=round(peak["float32"] / 1e9, 1),
        bf16_in_f32_acc_gflops=round(peak["bfloat16"] / 1e9, 1))

@@ -99,6 +99,7 @@ class Learner:
     self.writer = MetricsWriter(c.log.dir)
     self._peak = float(c.log.peak_flops) or measure_peak_flops(c.model.compute_dtype)
     self.skipped_batches: list[list[str]] = []
+    self._last_saved = -1
 
   # --- state ---
   @property
@@ -142,7 +143,7 @@ class Learner:
       pos = jnp.broadcast_to(jnp.arange(L), (R, L))
       cos, sin = decoder.rope_tables(cfg, pos)
       fn = lambda lp, h: decoder._layer(cfg, h, lp, cos, sin, decoder.packed_mask(seg),  # noqa
-                                        None, None)[0]
+                                        None, 0, None)[0]
       if self.step_config.remat:
         fn = jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
       return fn(lp, h).sum()
@@ -236,6 +237,9 @@ class Learner:
     v = self.version
     if not force and not self.checkpointer.should_save(v):
       return False
+    if v == self._last_saved or v == self.checkpointer.latest_step():
+      return False  # this version is already on disk
+    self._last_saved = v
     # A copy, so the asynchronous write never reads buffers the next update donates.
     state = jax.tree.map(jnp.copy, self.state)
     meta = {"config": self.config.to_dict(), "policy_version": v, "data_state": data_state,

@@ -102,6 +102,20 @@ def dense(x, w, b=None, cd=F32):
   return y if b is None else y + b.astype(F32)
 
 
+def decode_layout(params: Params) -> Params:
+  """The same weights with the layer stack split into a tuple of per-layer dicts.
+
+  `forward` then runs the layers as an unrolled loop over separate buffers. For decoding a
+  few tokens this matters: a scan over stacked weights copies each layer's slice out of the
+  stack on every step, doubling the weight traffic that bounds decode speed.
+  """
+  n = jax.tree.leaves(params["layers"])[0].shape[0]
+  layer_list = tuple(jax.tree.map(lambda a: a[i], params["layers"]) for i in range(n))
+  out = {k: v for k, v in params.items() if k != "layers"}
+  out["layer_list"] = layer_list
+  return out
+
+
 def rope_tables(cfg: ModelConfig, positions):
   """cos, sin [..., head_dim] for integer positions [...] (HF rotate-half layout)."""
   inv_freq = jnp.asarray(cfg.inv_freq(), F32)
@@ -161,14 +175,16 @@ def causal_block_attention(q, k, v, mask, cd, block=ATTENTION_BLOCK):
   return jnp.concatenate(outs, axis=1)
 
 
-def _write_cache(cache_l, new, start):
-  """cache_l [B, S, KVH, hd] <- new [B, T, KVH, hd] at per-row offsets start [B]."""
-  def one(c, n, s):
-    return jax.lax.dynamic_update_slice(c, n.astype(c.dtype), (s, 0, 0))
-  return jax.vmap(one)(cache_l, new, start)
+def _write_cache(cache, new, layer, start):
+  """cache [NL, B, S, KVH, hd] <- new [B, T, KVH, hd] at layer `layer`, positions start[b] + t.
+  A scatter into the carried buffer, updated in place: only the new entries move."""
+  B, T = new.shape[:2]
+  rows = jnp.arange(B)[:, None]
+  cols = start[:, None] + jnp.arange(T)[None, :]
+  return cache.at[layer, rows, cols].set(new.astype(cache.dtype))
 
 
-def _layer(cfg: ModelConfig, h, lp, cos, sin, mask, cache_kv, cache_start):
+def _layer(cfg: ModelConfig, h, lp, cos, sin, mask, cache_kv, layer, cache_start):
   cd = jnp.dtype(cfg.compute_dtype)
   B, L, _ = h.shape
   H, KVH, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -181,9 +197,10 @@ def _layer(cfg: ModelConfig, h, lp, cos, sin, mask, cache_kv, cache_start):
     k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
   q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
   if cache_kv is not None:
-    ck, cv = _write_cache(cache_kv[0], k, cache_start), _write_cache(cache_kv[1], v, cache_start)
-    k, v, cache_kv = ck, cv, (ck, cv)
-    a = attention(q, k, v, mask, cd)
+    ck = _write_cache(cache_kv[0], k, layer, cache_start)
+    cv = _write_cache(cache_kv[1], v, layer, cache_start)
+    cache_kv = (ck, cv)
+    a = attention(q, ck[layer], cv[layer], mask, cd)
   else:
     a = causal_block_attention(q, k, v, mask, cd)
   a = a.reshape(B, L, H * hd)
@@ -214,15 +231,25 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, segment_ids=Non
     mask = packed_mask(seg)
     start = None
 
-  def body(h, xs):
-    lp, kv = xs
-    h, kv = _layer(cfg, h, lp, cos, sin, mask, kv, start)
-    return h, kv
+  # The cache rides in the scan carry (updated in place), not in xs/ys (which would copy
+  # every layer's whole cache each step).
+  def body(carry, xs):
+    h, kv = carry
+    lp, layer = xs
+    h, kv = _layer(cfg, h, lp, cos, sin, mask, kv, layer, start)
+    return (h, kv), None
 
   if remat:
     body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
   kv_in = None if cache is None else (cache["k"], cache["v"])
-  h, kv_out = jax.lax.scan(body, h, (params["layers"], kv_in))
+  carry = (h, kv_in)
+  if "layer_list" in params:  # decode layout: unrolled over separate per-layer buffers
+    for i, lp in enumerate(params["layer_list"]):
+      carry, _ = body(carry, (lp, i))
+  else:
+    layers = jnp.arange(cfg.num_layers)
+    carry, _ = jax.lax.scan(body, carry, (params["layers"], layers))
+  h, kv_out = carry
   h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
   new_cache = None if cache is None else {"k": kv_out[0], "v": kv_out[1]}
   return h, new_cache

@@ -1,4 +1,6 @@
-"""Token sampling with exact log-probs, and a simple KV-cache generation loop.
+"""Token sampling with exact log-probs, and jitted KV-cache prefill / decode primitives
+(the rollout engine, `fr_jax.rollout.embedded`, builds continuous batching on the same model
+functions).
 
 Behaviour log-probs describe the distribution that actually sampled: softmax(logits / T),
 and with top_p < 1 the renormalised truncated distribution (the nucleus). Greedy decoding
@@ -9,7 +11,6 @@ distribution, since the argmax "distribution" would give 0 for every token.
 from __future__ import annotations
 
 import functools
-from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -47,12 +48,25 @@ def sampling_logprobs(logits, temperature, top_p):
   return jax.lax.cond(jnp.all(top_p >= 1.0), lambda x: x, nucleus, logp)
 
 
+def _inverse_cdf(key, logq):
+  """One draw from exp(logq) [V] with one uniform: the first index whose cumulative mass
+  exceeds u (cheaper than Gumbel-max, which needs V random numbers)."""
+  cdf = jnp.cumsum(jnp.exp(logq))
+  u = jax.random.uniform(key, (), F32) * cdf[-1]
+  return jnp.minimum(jnp.sum(cdf <= u), logq.shape[-1] - 1)
+
+
 def sample(logits, key, temperature, top_p):
-  """Samples one token per row. Returns (tokens [B] int32, logp [B] float32)."""
+  """Samples one token per row. Returns (tokens [B] int32, logp [B] float32).
+
+  `key` is one key for the whole batch, or [B] keys (one per row: a row's draw then does not
+  depend on the other rows, which is what the rollout engine needs).
+  """
   B = logits.shape[0]
   temperature = jnp.broadcast_to(jnp.asarray(temperature, F32), (B,))
-  logq = sampling_logprobs(logits, temperature, top_p)
-  drawn = jax.random.categorical(key, logq, axis=-1)
+  logq = sampling_logprobs(logits, temperature, top_p)  # batched: one nucleus sort at most
+  keys = jax.random.split(key, B) if jnp.ndim(key) == 0 else key
+  drawn = jax.vmap(_inverse_cdf)(keys, logq)
   tok = jnp.where(temperature > 0, drawn, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
   return tok, jnp.take_along_axis(logq, tok[:, None], axis=-1)[:, 0]
 
@@ -73,49 +87,3 @@ def decode_step(params, cfg: ModelConfig, cache, tokens, positions):
   """One token per row: tokens [B] at positions [B]. Returns (logits [B, V], cache)."""
   h, cache = decoder.forward(params, cfg, tokens[:, None], positions[:, None], cache=cache)
   return decoder.logits_from_hidden(params, cfg, h[:, 0]), cache
-
-
-_sample = jax.jit(sample)
-
-
-def generate(params, cfg: ModelConfig, prompt_ids: Sequence[int], *, max_new_tokens: int,
-             temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
-             stop_ids: Sequence[int] = ()) -> tuple[list[int], list[float], str]:
-  """Generates from one prompt. Returns (token_ids, logprobs, finish_reason)."""
-  P = len(prompt_ids)
-  if P == 0:
-    raise ValueError("the prompt is empty; give at least one token")
-  if max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-  total = P + max_new_tokens
-  if total > cfg.max_position_embeddings:
-    raise ValueError(f"prompt ({P}) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
-                     f"model's max_position_embeddings={cfg.max_position_embeddings}")
-  cache = decoder.init_cache(cfg, 1, total)
-  logits, cache = prefill(params, cfg, cache, jnp.asarray([prompt_ids], jnp.int32),
-                          jnp.asarray([P], jnp.int32))
-  key = jax.random.key(seed)
-  temp, tp = jnp.asarray([temperature], F32), jnp.asarray([top_p], F32)
-  out, lps, stops = [], [], set(int(s) for s in stop_ids)
-  finish = "length"
-  for i in range(max_new_tokens):
-    key, sub = jax.random.split(key)
-    tok, lp = _sample(logits, sub, temp, tp)
-    t = int(tok[0])
-    out.append(t)
-    lps.append(float(lp[0]))
-    if t in stops:
-      finish = "stop"
-      break
-    if i + 1 < max_new_tokens:
-      logits, cache = decode_step(params, cfg, cache, tok, jnp.asarray([P + i], jnp.int32))
-  return out, lps, finish
-
-
-def greedy_ids(params, cfg: ModelConfig, prompt_ids: Sequence[int], n: int,
-               stop_ids: Optional[Sequence[int]] = None) -> list[int]:
-  """Convenience: greedy continuation token ids."""
-  ids, _, _ = generate(params, cfg, prompt_ids, max_new_tokens=n, temperature=0.0,
-                       stop_ids=stop_ids or ())
-  return ids
-

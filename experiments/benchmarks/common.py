@@ -1,0 +1,33 @@
+"""Helpers shared by the benchmarks: JSON-line output, median timing, the machine record."""
+
+import json
+import os
+import platform
+import statistics
+import time
+
+
+def emitter(bench: str):
+  """A function printing one JSON line {"bench": bench, "kind": kind, ...}."""
+  def emit(kind, **kw):
+    print(json.dumps({"bench": bench, "kind": kind, **kw}), flush=True)
+  return emit
+
+
+def timed(fn, repeats: int, warmup: int = 1):
+  """(median seconds, all seconds) of `repeats` calls after `warmup` untimed calls."""
+  for _ in range(warmup):
+    fn()
+  ts = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    fn()
+    ts.append(time.perf_counter() - t0)
+  return statistics.median(ts), ts
+
+
+def machine() -> dict:
+  import jax
+  return {"platform": platform.platform(), "python": platform.python_version(),
+          "cpu_count": os.cpu_count(), "jax": jax.__version__,
+          "backend": jax.default_backend(), "device": str(jax.devices()[0])}

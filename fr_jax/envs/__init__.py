@@ -1,0 +1,13 @@
+"""Environments (procedural tasks with verifiable rewards) and the sandboxed Python tool."""
+
+from __future__ import annotations
+
+
+def make(name: str, **kwargs):
+  """An environment by name: arithmetic, countdown or textworld (keyword settings passed on)."""
+  from fr_jax.envs.arithmetic import Arithmetic, Countdown
+  from fr_jax.envs.textworld import TextWorld
+  envs = {"arithmetic": Arithmetic, "countdown": Countdown, "textworld": TextWorld}
+  if name not in envs:
+    raise ValueError(f"unknown env {name!r}; choose one of {sorted(envs)}")
+  return envs[name](**kwargs)

@@ -1,0 +1,234 @@
+"""Verifiable numeric tasks: arithmetic and templated word problems, and a countdown puzzle.
+
+Both offer the sandboxed Python tool. Train and test tasks are disjoint by construction
+(`split_of` on the task key); the test split is a fixed, duplicate-free list.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import operator
+import re
+from typing import Optional
+
+import numpy as np
+
+from fr_jax.envs.base import Task, check_split, last_number, split_of
+
+TOOL_SYSTEM = (
+    "You can run Python to compute. To call it, write exactly:\n"
+    "<tool_call>\n{\"name\": \"python\", \"arguments\": {\"code\": \"print(12 * 34)\"}}\n"
+    "</tool_call>\n"
+    "The output comes back in <tool_response>...</tool_response>. "
+    "Give the final answer as a number on the last line.")
+
+_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+_WORD = [
+    ("{name} has {a} apples and buys {b} more. How many apples does {name} have now?", "+"),
+    ("A box holds {a} pens. {b} pens are taken out. How many pens are left in the box?", "-"),
+    ("There are {a} rows of chairs with {b} chairs in each row. How many chairs are there?",
+     "*"),
+    ("{name} read {a} pages on Monday and {b} pages on Tuesday. How many pages in total?", "+"),
+]
+_NAMES = ["Tom", "Ana", "Lee", "Sara", "Omar", "Mia"]
+
+
+@dataclasses.dataclass
+class Arithmetic:
+  """`What is A op B?` and word problems; difficulty = operand digits (1-4)."""
+
+  difficulty: int = 2
+  ops: str = "+-*"
+  word_fraction: float = 0.25
+  seed: int = 0
+  train_size: int = 100_000
+  test_size: int = 500
+  tools: tuple = ("python",)
+  use_tool_prompt: bool = True
+  name: str = "arithmetic"
+  interactive: bool = False
+
+  def __post_init__(self):
+    if not 1 <= self.difficulty <= 4:
+      raise ValueError(f"difficulty={self.difficulty} must be 1-4 (operand digits)")
+    bad = set(self.ops) - set(_OPS)
+    if bad or not self.ops:
+      raise ValueError(f"ops={self.ops!r}: use a non-empty subset of '+-*'")
+    self._test: Optional[list[Task]] = None
+
+  @property
+  def system_prompt(self) -> str:
+    return TOOL_SYSTEM if self.use_tool_prompt else ""
+
+  def split_size(self, split: str) -> int:
+    check_split(split)
+    return self.train_size if split == "train" else self.test_size
+
+  def _draw(self, rng) -> Task:
+    d = self.difficulty
+    op = self.ops[int(rng.integers(len(self.ops)))]
+    lo, hi = 10 ** (d - 1) if d > 1 else 1, 10**d
+    a, b = int(rng.integers(lo, hi)), int(rng.integers(lo, hi))
+    if op == "*":  # keep products tractable: second factor one digit shorter
+      b = int(rng.integers(1 if d <= 2 else 10 ** (d - 2), 10 ** max(d - 1, 1)))
+    if op == "-" and b > a:
+      a, b = b, a
+    word = rng.random() < self.word_fraction
+    if word:
+      templates = [t for t in _WORD if t[1] == op]
+      if templates:
+        tmpl = templates[int(rng.integers(len(templates)))][0]
+        text = tmpl.format(a=a, b=b, name=_NAMES[int(rng.integers(len(_NAMES)))])
+      else:
+        word = False
+    if not word:
+      text = f"What is {a} {op.replace('*', 'x')} {b}?"
+    text += " Answer with just the number."
+    key = f"{self.name}:{d}:{a}{op}{b}:{int(word)}"
+    return Task(self.name, key, text, _OPS[op](a, b), {"a": a, "b": b, "op": op, "word": word})
+
+  def task(self, split: str, index: int) -> Task:
+    check_split(split)
+    if split == "test":
+      return self._test_tasks()[index]
+    rng = np.random.default_rng([self.seed, 1, index])
+    while True:
+      t = self._draw(rng)
+      if split_of(t.task_id) == "train":
+        return t
+
+  def _test_tasks(self) -> list[Task]:
+    if self._test is None:
+      rng = np.random.default_rng([self.seed, 2])
+      seen, out = set(), []
+      for _ in range(self.test_size * 200):
+        t = self._draw(rng)
+        if split_of(t.task_id) == "test" and t.task_id not in seen:
+          seen.add(t.task_id)
+          out.append(t)
+          if len(out) == self.test_size:
+            break
+      if len(out) < self.test_size:
+        raise ValueError(f"only {len(out)} distinct test tasks exist at difficulty "
+                         f"{self.difficulty}; lower test_size")
+      self._test = out
+    return self._test
+
+  def reward(self, task: Task, final_text: str) -> float:
+    got = last_number(final_text)
+    return float(got is not None and abs(got - float(task.answer)) < 1e-6)
+
+  def start(self, task):
+    return None
+
+
+# --- countdown -------------------------------------------------------------------------------
+
+_BIN = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+        ast.Div: operator.truediv}
+_EXPR_LINE = re.compile(r"[\d\s+\-*/()x×]+")
+
+
+def eval_expression(text: str) -> tuple[Optional[float], list[int]]:
+  """Value and number literals of an arithmetic expression (+ - * / and parentheses only);
+  (None, []) if it is anything else."""
+  text = text.replace("×", "*").replace("x", "*")
+  try:
+    tree = ast.parse(text.strip(), mode="eval")
+  except SyntaxError:
+    return None, []
+  nums: list[int] = []
+
+  def ev(node):
+    if isinstance(node, ast.Expression):
+      return ev(node.body)
+    if isinstance(node, ast.BinOp) and type(node.op) in _BIN:
+      return _BIN[type(node.op)](ev(node.left), ev(node.right))
+    if isinstance(node, ast.Constant) and isinstance(node.value, int):
+      nums.append(node.value)
+      return node.value
+    raise ValueError("not allowed")
+
+  try:
+    return float(ev(tree)), nums
+  except (ValueError, ZeroDivisionError, TypeError):
+    return None, []
+
+
+@dataclasses.dataclass
+class Countdown:
+  """Reach the target with + - * / using each given number at most once."""
+
+  numbers: int = 4
+  max_number: int = 25
+  seed: int = 0
+  train_size: int = 100_000
+  test_size: int = 500
+  tools: tuple = ("python",)
+  name: str = "countdown"
+  interactive: bool = False
+
+  def __post_init__(self):
+    self._test: Optional[list[Task]] = None
+
+  system_prompt = ("Combine the given numbers with +, -, * and / (each number at most once) "
+                   "to reach the target. Put the expression alone on the last line, e.g. "
+                   "(3 + 5) * 2.")
+
+  def split_size(self, split):
+    check_split(split)
+    return self.train_size if split == "train" else self.test_size
+
+  def _draw(self, rng) -> Task:
+    nums = [int(x) for x in rng.integers(1, self.max_number + 1, self.numbers)]
+    # A reachable target: fold a random order of the numbers with random operators.
+    order = list(rng.permutation(nums))
+    value = order[0]
+    for x in order[1:]:
+      op = "+-*"[int(rng.integers(3))]
+      cand = _OPS[op](value, x)
+      value = cand if 0 < cand <= 1000 else value + x
+    key = f"{self.name}:{sorted(nums)}:{value}"
+    text = f"Numbers: {', '.join(map(str, nums))}. Target: {value}."
+    return Task(self.name, key, text, int(value), {"numbers": nums})
+
+  def task(self, split, index):
+    check_split(split)
+    if split == "test":
+      if self._test is None:
+        rng = np.random.default_rng([self.seed, 2])
+        seen, out = set(), []
+        while len(out) < self.test_size:
+          t = self._draw(rng)
+          if split_of(t.task_id) == "test" and t.task_id not in seen:
+            seen.add(t.task_id)
+            out.append(t)
+        self._test = out
+      return self._test[index]
+    rng = np.random.default_rng([self.seed, 1, index])
+    while True:
+      t = self._draw(rng)
+      if split_of(t.task_id) == "train":
+        return t
+
+  def reward(self, task: Task, final_text: str) -> float:
+    lines = [l for l in final_text.strip().splitlines() if l.strip()]
+    if not lines:
+      return 0.0
+    expr = lines[-1].split("=")[0]
+    if not _EXPR_LINE.fullmatch(expr.strip() or "?"):
+      return 0.0
+    value, used = eval_expression(expr)
+    if value is None or abs(value - task.answer) > 1e-9:
+      return 0.0
+    pool = list(task.meta["numbers"])
+    for u in used:
+      if u not in pool:
+        return 0.0
+      pool.remove(u)
+    return 1.0
+
+  def start(self, task):
+    return None
+

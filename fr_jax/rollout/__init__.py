@@ -1,0 +1,1 @@
+"""Rollout: engine protocol, embedded JAX engine, SGLang client, agent loop."""

@@ -1,0 +1,205 @@
+"""The multi-turn agent loop: chat template, model turn, tool call or environment step, tool
+result, model turn, ... until a final answer, the turn limit or the token budget.
+
+Token bookkeeping is exact: the trajectory is built from token ids, never re-tokenised text.
+Tokens the engine sampled are actions (their behaviour log-probs are the engine's); template
+tokens, tool results and observations have action_mask False and behaviour log-prob 0.
+
+Tool calls use the Hermes/Qwen format, one per model turn:
+
+  <tool_call>
+  {"name": "python", "arguments": {"code": "print(12 * 34)"}}
+  </tool_call>
+
+The result comes back as a user turn: <tool_response>\\n...\\n</tool_response>. A model turn
+without a tool call is the final answer (single-answer environments). In interactive
+environments every model turn is a command and the observation comes back as a user turn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from typing import Optional, Sequence
+
+import numpy as np
+
+from fr_jax.envs.base import Env, Task
+from fr_jax.envs.sandbox import Limits, run_python
+from fr_jax.rollout.engine import Completion, Engine, Request
+from fr_jax.trajectory import Trajectory
+
+_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+MAX_TOOL_OUTPUT_CHARS = 2000
+
+
+@dataclasses.dataclass
+class AgentConfig:
+  max_turns: int = 4  # model turns per episode
+  max_new_tokens: int = 256  # per model turn
+  max_total_tokens: int = 1024  # prompt + completion
+  temperature: float = 1.0
+  top_p: float = 1.0
+  template: str = "model"  # "model": the model's own chat template; "chatml": plain ChatML
+  tool_limits: Limits = dataclasses.field(default_factory=Limits)
+
+
+def parse_tool_call(text: str) -> tuple[Optional[str], Optional[str]]:
+  """(code, error) from a model turn: code if it holds a well-formed python call, an error
+  message if it holds a malformed one, (None, None) if it holds none."""
+  m = _CALL.search(text)
+  if m is None:
+    return None, None
+  try:
+    call = json.loads(m.group(1))
+  except json.JSONDecodeError as e:
+    return None, f"tool call is not valid JSON ({e.msg})"
+  if not isinstance(call, dict) or call.get("name") != "python":
+    return None, "unknown tool; the only tool is \"python\""
+  code = (call.get("arguments") or {}).get("code") if isinstance(call.get("arguments"),
+                                                                 dict) else None
+  if not isinstance(code, str) or not code.strip():
+    return None, "tool call has no arguments.code string"
+  return code, None
+
+
+@dataclasses.dataclass
+class Episode:
+  """One rollout in progress."""
+
+  task: Task
+  prompt_ids: list[int]
+  env_episode: object = None
+  tokens: list[int] = dataclasses.field(default_factory=list)
+  mask: list[bool] = dataclasses.field(default_factory=list)
+  logp: list[float] = dataclasses.field(default_factory=list)
+  versions: list[int] = dataclasses.field(default_factory=list)
+  turns: int = 0
+  tool_calls: int = 0
+  done: bool = False
+  finish_reason: str = "stop"
+  reward: float = 0.0
+  last_text: str = ""
+
+  @property
+  def length(self) -> int:
+    return len(self.prompt_ids) + len(self.tokens)
+
+
+class AgentLoop:
+  """Runs episodes of one environment on one engine, batching model turns across episodes."""
+
+  def __init__(self, engine: Engine, tokenizer, env: Env, cfg: AgentConfig = AgentConfig()):
+    self.engine, self.tok, self.env, self.cfg = engine, tokenizer, env, cfg
+    self.stop_ids = tuple(tokenizer.stop_ids())
+
+  # --- text <-> tokens ---
+  def _render(self, messages) -> str:
+    if self.cfg.template == "chatml":
+      return self.tok.chatml(messages)
+    return self.tok.apply_chat_template(messages)
+
+  def user_turn_ids(self, text: str) -> list[int]:
+    """Template tokens closing the model turn, a user turn with `text`, and the next
+    assistant header (rendered with the chat template's own separators)."""
+    return self.tok.encode(f"\n<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n",
+                           add_bos=False)
+
+  def start(self, task: Task) -> Episode:
+    messages = ([{"role": "system", "content": self.env.system_prompt}]
+                if self.env.system_prompt else [])
+    messages.append({"role": "user", "content": task.prompt})
+    ids = self.tok.encode(self._render(messages))
+    ep = Episode(task, ids, self.env.start(task) if self.env.interactive else None)
+    if ep.length >= self.cfg.max_total_tokens:
+      ep.done, ep.finish_reason = True, "length"
+    return ep
+
+  def request(self, ep: Episode, seed: int) -> Request:
+    budget = self.cfg.max_total_tokens - ep.length
+    return Request(f"{ep.task.task_id}#{seed}#{ep.turns}", ep.prompt_ids + ep.tokens,
+                   max_new_tokens=max(1, min(self.cfg.max_new_tokens, budget)),
+                   temperature=self.cfg.temperature, top_p=self.cfg.top_p,
+                   seed=(seed * 1_000_003 + ep.turns) % 2**32, stop_token_ids=self.stop_ids)
+
+  def _append(self, ep: Episode, ids, *, action: bool, logp=None, versions=None):
+    n = len(ids)
+    ep.tokens += list(ids)
+    ep.mask += [action] * n
+    ep.logp += list(logp) if action else [0.0] * n
+    v = self.engine.version
+    ep.versions += list(versions) if versions is not None else [v] * n
+
+  def advance(self, ep: Episode, c: Completion) -> None:
+    """Appends a model turn and what follows it (tool result / observation / the end)."""
+    self._append(ep, c.token_ids, action=True, logp=c.logprobs, versions=c.versions)
+    ep.turns += 1
+    text = self.tok.decode([t for t in c.token_ids if t not in self.stop_ids])
+    ep.last_text = text
+    if c.finish_reason == "abort":
+      ep.done, ep.finish_reason = True, "abort"
+      return
+    if c.finish_reason == "length":  # the turn was cut at a limit
+      ep.done, ep.finish_reason = True, "length"
+      ep.reward = self._final_reward(ep, text)
+      return
+    if self.env.interactive:
+      obs, finished = ep.env_episode.observe(text)
+      if finished:
+        ep.done, ep.reward = True, ep.env_episode.reward()
+        return
+      reply = obs
+    else:
+      code, error = parse_tool_call(text) if "python" in self.env.tools else (None, None)
+      if code is None and error is None:  # no tool call: the final answer
+        ep.done, ep.reward = True, self._final_reward(ep, text)
+        return
+      ep.tool_calls += 1
+      if error is not None:
+        out = f"[tool error: {error}]"
+      else:
+        out = run_python(code, self.cfg.tool_limits).output
+      if len(out) > MAX_TOOL_OUTPUT_CHARS:
+        out = out[:MAX_TOOL_OUTPUT_CHARS] + "\n[tool: output truncated]"
+      reply = f"<tool_response>\n{out}\n</tool_response>"
+    ids = self.user_turn_ids(reply)
+    if ep.turns >= self.cfg.max_turns or ep.length + len(ids) >= self.cfg.max_total_tokens:
+      ep.done, ep.finish_reason = True, "length"
+      ep.reward = self._final_reward(ep, text)
+      return
+    self._append(ep, ids, action=False)
+
+  def _final_reward(self, ep: Episode, text: str) -> float:
+    if self.env.interactive:
+      return ep.env_episode.reward()
+    return self.env.reward(ep.task, text)
+
+  def trajectory(self, ep: Episode) -> Trajectory:
+    return Trajectory(
+        prompt_id=ep.task.task_id, prompt_tokens=np.asarray(ep.prompt_ids, np.int32),
+        completion_tokens=np.asarray(ep.tokens, np.int32),
+        action_mask=np.asarray(ep.mask, bool),
+        behavior_logp=np.asarray(ep.logp, np.float32),
+        reward=float(ep.reward), policy_version=np.asarray(ep.versions, np.int32),
+        finish_reason=ep.finish_reason, num_tool_calls=ep.tool_calls, num_turns=ep.turns,
+        env=self.env.name, traj_id="")
+
+  def run(self, tasks: Sequence[Task], seeds: Sequence[int], should_abort=None):
+    """Runs one episode per task to the end; model turns of live episodes are batched.
+    Returns (trajectories, episodes) in task order."""
+    eps = [self.start(t) for t in tasks]
+    while True:
+      live = [i for i, e in enumerate(eps) if not e.done]
+      if not live:
+        break
+      reqs = [self.request(eps[i], seeds[i]) for i in live]
+      outs = self.engine.generate(reqs, should_abort=should_abort)
+      for i, c in zip(live, outs):
+        self.advance(eps[i], c)
+    trajs = []
+    for e, s in zip(eps, seeds):
+      t = self.trajectory(e)
+      t.traj_id = f"{e.task.task_id}#{s}"
+      trajs.append(t)
+    return trajs, eps

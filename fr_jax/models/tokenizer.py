@@ -39,6 +39,22 @@ def _pre_tokenizer(pre: str):
                         "(supported: gpt2, smollm, qwen2, llama-bpe)")
 
 
+def _bytes_to_unicode() -> dict[str, int]:
+  """GPT-2's byte <-> printable-character table (character -> byte)."""
+  keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+          *range(ord("\xae"), ord("\xff") + 1)]
+  chars, n = {}, 0
+  for b in range(256):
+    if b in keep:
+      chars[chr(b)] = b
+    else:
+      chars[chr(256 + n)] = b
+      n += 1
+  return chars
+
+
+_BYTE_OF = _bytes_to_unicode()
+
 CHATML_DEFAULT = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
                   "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
                   "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
@@ -99,6 +115,21 @@ class Tokenizer:
                bos_token=tokens[bos] if bos is not None else None,
                eos_token=tokens[eos] if eos is not None else None,
                add_bos=bool(f("tokenizer.ggml.add_bos_token", False)))
+
+  @classmethod
+  def byte_level(cls) -> "Tokenizer":
+    """A self-contained byte-level tokenizer: the 256 bytes plus the ChatML specials
+    <|endoftext|>, <|im_start|>, <|im_end|> (ids 256-258). For tiny test models that need
+    real text in and out (agent loops, smoke runs) without any downloaded vocabulary."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_chars = sorted(alphabet, key=lambda ch: _BYTE_OF[ch])
+    vocab = {ch: i for i, ch in enumerate(byte_chars)}
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")])
+    return cls(tok, chat_template=CHATML_DEFAULT, eos_token="<|im_end|>")
 
   # --- ids ---
   @property

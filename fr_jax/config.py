@@ -1,0 +1,87 @@
+"""The run configuration: the learner's fields (`fr_jax.learner.config`) plus the
+environment, the agent loop, the rollout workers and the learner service.
+
+Experiment files (`experiments/configs/*.py`) start from `default_config()` and change what
+they need; every field can be overridden on the command line (`--config.x=y`).
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from fr_jax.learner import config as lcfg
+
+ConfigError = lcfg.ConfigError
+ENGINES = ("embedded", "sglang")
+
+
+def default_config() -> ml_collections.ConfigDict:
+  c = lcfg.default_config()
+  c.run_dir = ""  # metrics.jsonl, TensorBoard, checkpoints/, exports/; empty: nothing written
+  c.max_updates = 100  # total updates (a resumed run counts the restored ones)
+  c.env = ml_collections.ConfigDict(dict(
+      name="arithmetic",  # arithmetic | countdown | textworld
+      kwargs=ml_collections.ConfigDict(),  # constructor settings, e.g. difficulty=2
+      seed=0,  # prompt shuffling
+  ))
+  c.agent = ml_collections.ConfigDict(dict(
+      max_turns=3,
+      max_new_tokens=128,  # per model turn
+      max_total_tokens=512,  # prompt + completion
+      top_p=1.0,
+      template="chatml",  # chatml (plain) or model (the model's own template)
+  ))
+  c.rollout = ml_collections.ConfigDict(dict(
+      engine="embedded",  # embedded (in-process JAX) or sglang
+      sglang_url="",  # http://host:port of an SGLang server or gateway
+      num_workers=1,  # launch.train: worker threads in this process
+      inflight=8,  # episodes in flight per worker
+      num_slots=8,  # embedded engine: decode slots (continuous batching)
+      heartbeat_every_s=0.0,  # 0: every round
+  ))
+  c.service = ml_collections.ConfigDict(dict(
+      address="127.0.0.1:0",  # gRPC bind (launch.learner); non-loopback needs a token or TLS
+      queue_capacity=64,  # admitted trajectories waiting; a full queue blocks workers
+      publish_every=1,  # updates between weight publications
+      export_hf=False,  # also export HF safetensors for SGLang fleets (run_dir/exports)
+      adaptive_inflight=False,  # the adaptive in-flight controller (off by default)
+      target_rejection=0.1,  # controller: trust rejection rate to stay under
+      lag_bound=4,  # controller: policy lag to stay under
+  ))
+  return c
+
+
+def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """Learner checks plus the run's own; raises ConfigError naming the field."""
+  lcfg.validate(c)
+  if c.max_updates < 1:
+    raise ConfigError(f"max_updates={c.max_updates} must be >= 1")
+  if c.rollout.engine not in ENGINES:
+    raise ConfigError(f"rollout.engine={c.rollout.engine!r}: choose one of {ENGINES}")
+  if c.rollout.engine == "sglang" and not c.rollout.sglang_url:
+    raise ConfigError("rollout.engine=sglang needs rollout.sglang_url")
+  if c.rollout.num_workers < 1 or c.rollout.inflight < 1 or c.rollout.num_slots < 1:
+    raise ConfigError("rollout.num_workers, rollout.inflight and rollout.num_slots must be >= 1")
+  if c.service.queue_capacity < c.batch_size * c.minibatches:
+    raise ConfigError(f"service.queue_capacity={c.service.queue_capacity} must hold a batch "
+                      f"(batch_size*minibatches={c.batch_size * c.minibatches})")
+  if c.agent.max_total_tokens > c.packing.row_len:
+    raise ConfigError(f"agent.max_total_tokens={c.agent.max_total_tokens} exceeds "
+                      f"packing.row_len={c.packing.row_len}: trajectories would not fit a row")
+  from fr_jax import envs
+  try:
+    envs.make(c.env.name, **c.env.kwargs.to_dict())
+  except (TypeError, ValueError) as e:
+    raise ConfigError(f"env.name={c.env.name!r} / env.kwargs: {e}") from None
+  return c
+
+
+def resolve_dirs(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """Fills checkpoint.dir and log.dir from run_dir where they are empty."""
+  if c.run_dir:
+    with c.unlocked():
+      if not c.checkpoint.dir:
+        c.checkpoint.dir = f"{c.run_dir}/checkpoints"
+      if not c.log.dir:
+        c.log.dir = c.run_dir
+  return c

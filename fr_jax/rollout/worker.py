@@ -1,0 +1,128 @@
+"""A rollout worker: prompts from its grain shard, episodes through the agent loop on its
+engine, finished trajectories streamed to the learner the moment they end.
+
+It keeps `inflight` episodes going (the learner's adaptive controller may set the number).
+Each round, every live episode takes one model turn (batched on the engine with continuous
+batching); an episode that ends is pushed at once and its place goes to a new prompt, so a
+slow episode never holds back a fast one. Between rounds the worker heartbeats; when the
+learner's version has advanced it loads the new weights (arrays for the embedded engine; an
+HF directory through `update_weights_from_disk` for an SGLang fleet). Tokens carry the
+version that sampled them, so a trajectory that spans an update records both.
+While the learner is unreachable, the worker keeps its finished trajectories (bounded by the
+client's outbox) and retries with backoff.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from typing import Optional
+
+from fr_jax.envs.base import prompt_dataset, stable_hash
+from fr_jax.rollout.agent import AgentConfig, AgentLoop
+
+log = logging.getLogger("fr_jax.worker")
+
+
+class Worker:
+  def __init__(self, client, engine, tokenizer, env, agent_cfg: AgentConfig, *,
+               worker_id: str = "worker-0", shard_index: int = 0, num_shards: int = 1,
+               seed: int = 0, inflight: int = 8, weights: str = "arrays",
+               heartbeat_every_s: float = 0.0):
+    if weights not in ("arrays", "hf"):
+      raise ValueError(f"weights={weights!r}: choose arrays (embedded) or hf (SGLang)")
+    self.client, self.engine, self.env = client, engine, env
+    self.loop = AgentLoop(engine, tokenizer, env, agent_cfg)
+    self.worker_id, self.weights_mode = worker_id, weights
+    self.inflight = max(1, inflight)
+    self.dataset = prompt_dataset(env, "train", seed=seed, shard_index=shard_index,
+                                  num_shards=num_shards)
+    self.tasks = iter(self.dataset)
+    self.nonce = uuid.uuid4().hex[:8]  # a restarted worker never reuses trajectory ids
+    self.seed = seed
+    self.skipped_prompts = 0
+    self._k = 0
+    self.produced = 0
+    self.tokens = 0
+    self.t0 = time.perf_counter()
+    self.heartbeat_every_s = heartbeat_every_s
+    self._last_hb = 0.0
+    self.shutdown = False
+
+  def _stats(self, live: int) -> dict:
+    return dict(engine_version=self.engine.version, trajectories=self.produced,
+                tokens=self.tokens, uptime_s=time.perf_counter() - self.t0, inflight=live)
+
+  def sync(self, live: int = 0) -> None:
+    """Heartbeat; load newer weights if the learner has them."""
+    now = time.perf_counter()
+    if now - self._last_hb < self.heartbeat_every_s:
+      return
+    self._last_hb = now
+    hb = self.client.heartbeat(self._stats(live))
+    if hb is None:
+      return
+    self.shutdown = bool(hb["shutdown"])
+    if hb.get("inflight_target"):
+      self.inflight = int(hb["inflight_target"])
+    if hb["version"] != self.engine.version:  # newer, or older after a learner restart
+      if self.weights_mode == "hf":
+        if hb["hf_dir"]:
+          self.engine.update_weights(hb["hf_dir"], hb["version"])
+      else:
+        got = self.client.get_weights(hb["version"])
+        if got is not None:
+          v, params, _ = got
+          self.engine.update_weights(params, v)
+          log.info("%s: weights -> version %d", self.worker_id, v)
+
+  def _new_episode(self, eps, seeds):
+    task = next(self.tasks)
+    eps.append(self.loop.start(task))
+    self._k += 1
+    seeds.append(stable_hash(f"{self.seed}/{self.worker_id}/{self.nonce}/{self._k}") % 2**31)
+
+  def run(self, stop: Optional[threading.Event] = None,
+          max_trajectories: Optional[int] = None) -> int:
+    """Produces trajectories until `stop`, learner shutdown or `max_trajectories`."""
+    stop = stop or threading.Event()
+    eps, seeds = [], []
+    n_started = 0
+    while not stop.is_set() and not self.shutdown:
+      self.sync(len(eps))
+      budget = None if max_trajectories is None else max_trajectories - n_started
+      while len(eps) < self.inflight and (budget is None or budget > 0):
+        self._new_episode(eps, seeds)
+        n_started += 1
+        budget = None if budget is None else budget - 1
+      if not eps:
+        break
+      live = [i for i, e in enumerate(eps) if not e.done]
+      if live:
+        reqs = [self.loop.request(eps[i], seeds[i]) for i in live]
+        for i, c in zip(live, self.engine.generate(reqs)):
+          self.loop.advance(eps[i], c)
+      keep_e, keep_s = [], []
+      for e, s in zip(eps, seeds):
+        if not e.done:
+          keep_e.append(e)
+          keep_s.append(s)
+          continue
+        t = self.loop.trajectory(e)
+        t.traj_id = f"{self.worker_id}/{self.nonce}/{self.produced}"
+        self.produced += 1
+        self.tokens += t.num_action_tokens
+        if t.num_action_tokens:
+          self.client.push(t)
+        else:
+          self.skipped_prompts += 1
+          if self.skipped_prompts in (1, 100, 10_000):
+            log.warning("%s: %d prompts left no room to generate within max_total_tokens",
+                        self.worker_id, self.skipped_prompts)
+      eps, seeds = keep_e, keep_s
+    return self.produced
+
+  def data_state(self) -> dict:
+    return {"produced": self.produced}

@@ -1,0 +1,162 @@
+"""Assembles a run from its config: the learner and its service, rollout workers, and the
+all-in-one-process trainer. The launches (`launch/train.py`, `launch/learner.py`,
+`launch/worker.py`) are thin flag wrappers around these functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import ml_collections
+
+from fr_jax import config as rcfg
+from fr_jax import envs
+from fr_jax.envs.sandbox import Limits
+from fr_jax.learner.learner import Learner
+from fr_jax.learner.service import InflightController, LearnerService
+from fr_jax.models import registry
+from fr_jax.rollout.agent import AgentConfig
+from fr_jax.rollout.worker import Worker
+
+log = logging.getLogger("fr_jax.system")
+
+
+def load_model(c: ml_collections.ConfigDict) -> registry.LoadedModel:
+  return registry.load(c.model.name, param_dtype=c.model.param_dtype,
+                       compute_dtype=c.model.compute_dtype, seed=c.model.seed)
+
+
+def build_service(c: ml_collections.ConfigDict, model=None, *, resume: bool = True,
+                  admission_log: bool = False):
+  """(learner, service), restored from the latest checkpoint in run_dir if there is one.
+  With `admission_log` (separate worker processes), admitted records are logged to
+  run_dir/admission.log and those no checkpointed update used are queued again on restart."""
+  c = rcfg.resolve_dirs(rcfg.validate(c))
+  learner = Learner(c, model=model)
+  s = c.service
+  controller = (InflightController(c.rollout.inflight, target_rejection=s.target_rejection,
+                                   max_lag=s.lag_bound) if s.adaptive_inflight else None)
+  export = str(Path(c.run_dir) / "exports") if (s.export_hf and c.run_dir) else ""
+  service = LearnerService(learner, queue_capacity=s.queue_capacity,
+                           max_lag=c.max_policy_lag, publish_every=s.publish_every,
+                           hf_export_dir=export, inflight=0, controller=controller,
+                           max_length=c.agent.max_total_tokens,
+                           admission_log=(str(Path(c.run_dir) / "admission.log")
+                                          if admission_log and c.run_dir else ""))
+  if resume:
+    meta = service.restore()
+    if meta is not None:
+      log.info("resumed at version %d (%d trajectories already used)", service.version,
+               len(service.used))
+    from fr_jax.transport.server import decode_record
+    service.replay_log(decode_record)
+  return learner, service
+
+
+def agent_config(c: ml_collections.ConfigDict) -> AgentConfig:
+  a = c.agent
+  return AgentConfig(max_turns=a.max_turns, max_new_tokens=a.max_new_tokens,
+                     max_total_tokens=a.max_total_tokens, temperature=c.objective.temperature,
+                     top_p=a.top_p, template=a.template, tool_limits=Limits())
+
+
+def build_engine(c: ml_collections.ConfigDict, model, params=None, version: int = 0):
+  if c.rollout.engine == "sglang":
+    from fr_jax.rollout.sglang import SGLangEngine
+    return SGLangEngine(c.rollout.sglang_url, version=version)
+  from fr_jax.rollout.embedded import EmbeddedEngine
+  return EmbeddedEngine(model.config, model.params if params is None else params,
+                        tokenizer=model.tokenizer, num_slots=c.rollout.num_slots,
+                        max_len=c.agent.max_total_tokens + 1, version=version)
+
+
+def build_worker(c: ml_collections.ConfigDict, client, model, *, index: int, num_shards: int,
+                 worker_id: Optional[str] = None, params=None, version: int = 0) -> Worker:
+  if model.tokenizer is None:
+    raise rcfg.ConfigError(f"model {c.model.name!r} has no tokenizer; rollouts need one "
+                           "(use tiny-chat for tiny runs)")
+  env = envs.make(c.env.name, **c.env.kwargs.to_dict())
+  engine = build_engine(c, model, params, version)
+  return Worker(client, engine, model.tokenizer, env, agent_config(c),
+                worker_id=worker_id or f"worker-{index}", shard_index=index,
+                num_shards=num_shards, seed=c.env.seed, inflight=c.rollout.inflight,
+                weights="hf" if c.rollout.engine == "sglang" else "arrays",
+                heartbeat_every_s=c.rollout.heartbeat_every_s)
+
+
+@dataclasses.dataclass
+class WorkerThreads:
+  """Workers as threads of this process; a worker that raises is logged and restarted."""
+
+  threads: list
+  stop: threading.Event
+  errors: list
+
+
+def start_worker_threads(c, service, model, n: int, stop: threading.Event,
+                         max_restarts: int = 3) -> WorkerThreads:
+  from fr_jax.transport.client import LocalClient
+  errors: list = []
+
+  def body(i):
+    restarts = 0
+    while not stop.is_set() and not service.shutdown.is_set():
+      try:
+        v, params = service.weights(0)
+        w = build_worker(c, LocalClient(service, f"worker-{i}"), model, index=i,
+                         num_shards=n, params=params, version=v)
+        w.run(stop)
+        return
+      except Exception as e:  # noqa: BLE001 - a worker's failure never kills the learner
+        errors.append((i, repr(e)))
+        log.exception("worker-%d failed (%s)", i, e)
+        restarts += 1
+        if restarts > max_restarts:
+          log.error("worker-%d gave up after %d restarts", i, max_restarts)
+          return
+        time.sleep(1.0)
+
+  threads = [threading.Thread(target=body, args=(i,), name=f"worker-{i}", daemon=True)
+             for i in range(n)]
+  for t in threads:
+    t.start()
+  return WorkerThreads(threads, stop, errors)
+
+
+def train_in_process(c: ml_collections.ConfigDict, *, model=None,
+                     on_update: Optional[Callable] = None) -> dict:
+  """The whole system in one process: learner loop on this thread, workers as threads
+  sharing the model and the devices (weights handed over as arrays, nothing serialised)."""
+  model = model or load_model(c)
+  if model.tokenizer is None and c.rollout.engine == "embedded":
+    raise rcfg.ConfigError(f"model {c.model.name!r} has no tokenizer; rollouts need one "
+                           "(use tiny-chat for tiny runs)")
+  learner, service = build_service(c, model)
+  stop = threading.Event()
+  workers = start_worker_threads(c, service, model, c.rollout.num_workers, stop)
+  learner_stop = threading.Event()
+
+  def watchdog():  # every worker gave up: stop rather than wait for data forever
+    while not stop.is_set():
+      if not any(t.is_alive() for t in workers.threads):
+        log.error("all rollout workers stopped (%s); ending the run", workers.errors[-3:])
+        learner_stop.set()
+        return
+      time.sleep(0.5)
+
+  threading.Thread(target=watchdog, daemon=True, name="watchdog").start()
+  try:
+    summary = service.run(c.max_updates, learner_stop, on_update=on_update)
+  finally:
+    stop.set()
+    service.close()
+    for t in workers.threads:
+      t.join(timeout=60)
+    learner.close()
+  summary["worker_errors"] = workers.errors
+  return summary

@@ -1,0 +1,83 @@
+r"""The learner as its own process: serves gRPC to rollout workers (`launch/worker.py`).
+
+  python -m launch.learner --config=experiments/configs/tiny_test.py --run_dir=/tmp/run \
+      --port_file=/tmp/run/port
+  # across hosts: bind beyond loopback with a shared token (or TLS)
+  python -m launch.learner --config=... --address=0.0.0.0:50051 --auth_token=$TOKEN
+  # a multi-host learner mesh: one process per host
+  python -m launch.learner --config=... --coordinator_address=host0:1234 \
+      --num_processes=4 --process_id=$I
+
+It resumes from the last checkpoint in run_dir, updates until config.max_updates, then tells
+workers to stop and prints one JSON line with the run summary (updates,
+trajectories_admitted, rejected_by_reason, max_lag, learner_idle_fraction, ...). SIGTERM or
+Ctrl-C saves a checkpoint and stops cleanly.
+"""
+
+import os
+import signal
+import threading
+import time
+
+from absl import flags
+
+from launch import common
+
+flags.DEFINE_string("address", None, "gRPC bind address (default: config.service.address, "
+                    "loopback); non-loopback needs --auth_token or --tls_cert/--tls_key")
+flags.DEFINE_string("auth_token", os.environ.get("FR_JAX_TOKEN", ""),
+                    "shared token workers must present (default $FR_JAX_TOKEN)")
+flags.DEFINE_string("tls_cert", "", "PEM certificate for TLS")
+flags.DEFINE_string("tls_key", "", "PEM private key for TLS")
+flags.DEFINE_string("port_file", "", "write the bound port here once serving")
+flags.DEFINE_float("linger_s", 3.0, "after the last update, keep serving this long so "
+                   "workers hear the shutdown")
+flags.DEFINE_string("coordinator_address", "", "jax.distributed coordinator (multi-host)")
+flags.DEFINE_integer("num_processes", 1, "jax.distributed: processes in the learner job")
+flags.DEFINE_integer("process_id", 0, "jax.distributed: this process's index")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+  if len(argv) > 1:
+    common.fail(f"unexpected arguments {argv[1:]}")
+  c = common.load_config()
+  if FLAGS.coordinator_address:
+    import jax
+    jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes,
+                               FLAGS.process_id)
+  if bool(FLAGS.tls_cert) != bool(FLAGS.tls_key):
+    common.fail("--tls_cert and --tls_key go together")
+  from fr_jax import system
+  from fr_jax.transport import server as srv
+  address = FLAGS.address or c.service.address
+  if not srv.is_loopback(address) and not (FLAGS.auth_token or FLAGS.tls_cert):
+    common.fail(f"--address={address} is beyond loopback: give --auth_token or "
+                "--tls_cert/--tls_key")
+  model = common.load_model(c)
+  learner, service = system.build_service(c, model, admission_log=True)
+  server, port = srv.serve(service, address, token=FLAGS.auth_token,
+                           tls_cert=FLAGS.tls_cert, tls_key=FLAGS.tls_key)
+  if FLAGS.port_file:
+    tmp = FLAGS.port_file + ".tmp"
+    with open(tmp, "w") as f:
+      f.write(str(port))
+    os.replace(tmp, FLAGS.port_file)
+  print(f"learner serving on {address.rsplit(':', 1)[0]}:{port} at version "
+        f"{service.version}", flush=True)
+  stop = threading.Event()
+  for sig in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(sig, lambda *_: stop.set())
+  try:
+    summary = service.run(c.max_updates, stop)
+  finally:
+    service.shutdown.set()
+    time.sleep(FLAGS.linger_s if not stop.is_set() else 0.0)
+    service.close()
+    srv.stop(server, grace=1.0)
+    learner.close()
+  common.print_json(summary)
+
+
+if __name__ == "__main__":
+  common.run(main)

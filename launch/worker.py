@@ -1,0 +1,73 @@
+r"""A rollout worker process: streams trajectories to a learner (`launch/learner.py`).
+
+  python -m launch.worker --config=experiments/configs/tiny_test.py \
+      --learner=127.0.0.1:50051 --worker_index=0 --num_workers=2
+  # drive an SGLang server or gateway instead of the embedded engine
+  python -m launch.worker --config=... --learner=HOST:PORT --auth_token=$TOKEN \
+      --config.rollout.engine=sglang --config.rollout.sglang_url=http://gpu-host:30000
+
+It takes prompt shard `worker_index` of `num_workers`, fetches the learner's current weights,
+and runs until the learner says the run is over. While the learner is unreachable (a
+restart), it retries with backoff and keeps its finished trajectories.
+"""
+
+import os
+import signal
+import threading
+import time
+
+from absl import flags, logging
+
+from launch import common
+
+flags.DEFINE_string("learner", "127.0.0.1:50051", "learner gRPC address host:port")
+flags.DEFINE_string("auth_token", os.environ.get("FR_JAX_TOKEN", ""), "shared token")
+flags.DEFINE_string("tls_ca", "", "PEM CA certificate: connect with TLS")
+flags.DEFINE_integer("worker_index", 0, "this worker's prompt shard")
+flags.DEFINE_integer("num_workers", 1, "number of prompt shards (workers)")
+flags.DEFINE_string("worker_id", "", "name in the learner's stats (default worker-<index>)")
+flags.DEFINE_float("connect_timeout_s", 600.0, "give up if the learner never answers")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+  if len(argv) > 1:
+    common.fail(f"unexpected arguments {argv[1:]}")
+  if not 0 <= FLAGS.worker_index < FLAGS.num_workers:
+    common.fail(f"--worker_index={FLAGS.worker_index} must be in [0, --num_workers="
+                f"{FLAGS.num_workers})")
+  c = common.load_config()
+  model = common.load_model(c)
+  from fr_jax import system
+  from fr_jax.transport.client import GrpcClient
+  wid = FLAGS.worker_id or f"worker-{FLAGS.worker_index}"
+  client = GrpcClient(FLAGS.learner, worker_id=wid, token=FLAGS.auth_token,
+                      tls_ca=FLAGS.tls_ca)
+  stop = threading.Event()
+  for sig in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(sig, lambda *_: stop.set())
+  got, delay, t_end = None, 0.2, time.monotonic() + FLAGS.connect_timeout_s
+  while got is None and not stop.is_set():  # the learner's current weights
+    got = client.get_weights(0) if c.rollout.engine == "embedded" else (0, None, "")
+    if got is None:
+      if time.monotonic() > t_end:
+        common.fail(f"learner {FLAGS.learner} did not answer within "
+                    f"{FLAGS.connect_timeout_s:g}s")
+      time.sleep(delay)
+      delay = min(delay * 2, 5.0)
+  if stop.is_set():
+    return
+  v, params, _ = got
+  w = system.build_worker(c, client, model, index=FLAGS.worker_index,
+                          num_shards=FLAGS.num_workers, worker_id=wid, params=params,
+                          version=v)
+  logging.info("%s: started at version %d", wid, v)
+  n = w.run(stop)
+  client.flush(timeout=10)
+  client.close()
+  common.print_json({"worker_id": wid, "trajectories": n, "acks": dict(client.acks),
+                     "reconnects": client.reconnects})
+
+
+if __name__ == "__main__":
+  common.run(main)

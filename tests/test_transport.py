@@ -1,0 +1,265 @@
+"""Wire format, the learner service's admission/queue/controller, and gRPC end to end in one
+process (server thread + client): raw little-endian arrays, named rejections, backpressure,
+weights by version in chunks, token auth and the loopback rule."""
+
+import collections
+import math
+import subprocess
+import sys
+import threading
+
+import grpc
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+
+from fr_jax import config as rcfg
+from fr_jax import system
+from fr_jax.learner.service import InflightController, TrajectoryQueue
+from fr_jax.learner.synthetic import synthetic_trajectory
+from fr_jax.trajectory import TrajectoryError
+from fr_jax.transport import codec
+from fr_jax.transport import fr_jax_pb2 as pb
+from fr_jax.transport import server as srv
+from fr_jax.transport.client import GrpcClient, LocalClient
+
+
+# --- wire format ---
+def test_tensor_bytes_are_little_endian_raw():
+  a = np.array([1, -2, 0x01020304], np.int32)
+  t = codec.to_tensor(a)
+  assert t.dtype == "int32" and list(t.shape) == [3]
+  assert t.data == a.astype("<i4").tobytes() == b"\x01\0\0\0\xfe\xff\xff\xff\x04\x03\x02\x01"
+  big = a.astype(">i4")  # a big-endian array is sent little-endian all the same
+  assert codec.to_tensor(big).data == t.data
+  np.testing.assert_array_equal(codec.from_tensor(t), a)
+  bf = np.array([[1.5, -2.0]], ml_dtypes.bfloat16)
+  back = codec.from_tensor(codec.to_tensor(bf))
+  assert back.dtype == bf.dtype and back.shape == (1, 2)
+  np.testing.assert_array_equal(back.astype(np.float32), [[1.5, -2.0]])
+
+
+@pytest.mark.parametrize("bad", [
+    pb.Tensor(dtype="int32", shape=[3], data=b"\0" * 8),
+    pb.Tensor(dtype="complex64", shape=[1], data=b"\0" * 8),
+    pb.Tensor(dtype="int32", shape=[-1], data=b""),
+])
+def test_malformed_tensor_is_a_named_error(bad):
+  with pytest.raises(TrajectoryError) as e:
+    codec.from_tensor(bad)
+  assert e.value.reason == "bad_field"
+
+
+def test_trajectory_round_trip():
+  t = synthetic_trajectory(3, seed=1, version=7)
+  t.num_tool_calls, t.num_turns = 2, 3
+  back = codec.trajectory_from_proto(
+      pb.Trajectory.FromString(codec.trajectory_to_proto(t, "w").SerializeToString()))
+  for f in ("prompt_tokens", "completion_tokens", "action_mask", "behavior_logp",
+            "policy_version"):
+    np.testing.assert_array_equal(getattr(back, f), getattr(t, f))
+    assert getattr(back, f).dtype == getattr(t, f).dtype
+  assert (back.reward, back.traj_id, back.num_tool_calls, back.num_turns) == \
+         (t.reward, t.traj_id, 2, 3)
+
+
+def test_weight_chunks_reassemble_exactly():
+  rng = np.random.default_rng(0)
+  tree = {"embed": rng.normal(size=(37, 11)).astype(np.float32),
+          "layers": {"wq": rng.normal(size=(2, 5, 7)).astype(ml_dtypes.bfloat16),
+                     "norm": np.ones((2, 5), np.float32)}, "empty": np.zeros((0,), np.int32)}
+  flat = codec.flatten(tree)
+  chunks = list(codec.weight_chunks(9, flat, chunk_bytes=100))
+  assert len(chunks) > len(flat)  # big tensors were split
+  v, got, _ = codec.assemble_weights(chunks)
+  assert v == 9 and set(got) == set(flat)
+  for k in flat:
+    np.testing.assert_array_equal(got[k], flat[k])
+    assert got[k].dtype == flat[k].dtype
+  with pytest.raises(ValueError, match="missing bytes"):
+    codec.assemble_weights(chunks[:1] + chunks[2:])
+
+
+# --- queue and controller ---
+def test_queue_blocks_when_full_and_keeps_order():
+  q = TrajectoryQueue(2)
+  assert q.put("a") and q.put("b")
+  assert not q.put("c", timeout=0.05)  # full: backpressure
+  threading.Timer(0.1, q.pop).start()
+  assert q.put("c", timeout=2.0)  # unblocked once the learner took one
+  assert [q.pop(0.1), q.pop(0.1), q.pop(0.01)] == ["b", "c", None]
+
+
+def test_inflight_controller_aimd():
+  c = InflightController(8, target_rejection=0.1, max_lag=4)
+  # rejection 0.2 > 0.1: 8 * 0.75 -> 6; lag 5 > 4: 6 * .75 -> 4; calm: +1; in between: hold.
+  seq = [c.observe(1, 0.8, 0), c.observe(2, 1.0, 5), c.observe(3, 0.99, 1),
+         c.observe(4, 0.93, 1)]
+  assert seq == [6, 4, 5, 5]
+  assert [h["new"] for h in c.history] == [6, 4, 5]
+  lo = InflightController(1)
+  assert lo.observe(1, 0.0, 0) == 1  # never below the minimum
+
+
+# --- the service around a real tiny learner ---
+def tiny_run_config(tmp_path=None, **over):
+  from experiments.configs import tiny_test
+  c = tiny_test.get_config()
+  c.run_dir = str(tmp_path) if tmp_path else ""
+  c.update_from_flattened_dict(over)
+  return c
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+  from fr_jax.models import registry
+  return registry.load("tiny-chat")
+
+
+def synth(i, version=0, **kw):
+  t = synthetic_trajectory(i, seed=5, vocab_size=259, version=version, **kw)
+  t.traj_id = f"t{i}"
+  return t
+
+
+def test_admission_counts_named_reasons(tiny_model):
+  learner, service = system.build_service(tiny_run_config(max_policy_lag=1), tiny_model)
+  try:
+    ok = synth(0)
+    assert service.offer(ok) == (True, "")
+    assert service.offer(ok) == (False, "duplicate")
+    bad = synth(1)
+    bad.action_mask[:] = False
+    bad.behavior_logp[:] = 0
+    assert service.offer(bad) == (False, "no_action_tokens")
+    assert service.offer(synth(2, version=3)) == (False, "future_version")
+    service._version = 5  # as if five updates had happened
+    assert service.offer(synth(3, version=3)) == (False, "stale")  # lag 2 > 1
+    assert service.offer(synth(4, version=4)) == (True, "")  # lag 1
+    assert dict(service.rejected) == {"duplicate": 1, "no_action_tokens": 1,
+                                      "future_version": 1, "stale": 1}
+    # t0 (version 0) went stale while queued: dropped at take time, t4 is taken.
+    service.learner.config.batch_size = service.B = 1
+    assert [t.traj_id for t in service.next_batch(threading.Event())] == ["t4"]
+    assert service.rejected["stale"] == 2
+  finally:
+    service.close()
+    learner.close()
+
+
+def test_updates_take_arrivals_in_order_without_replay(tiny_model):
+  c = tiny_run_config(batch_size=2)
+  learner, service = system.build_service(c, tiny_model)
+  client = LocalClient(service)
+  for i in range(7):
+    client.push(synth(i))
+  stop = threading.Event()
+  try:
+    b1 = service.next_batch(stop)
+    service.step(b1)
+    b2 = service.next_batch(stop)
+    service.step(b2)
+    assert [t.traj_id for t in b1 + b2] == ["t0", "t1", "t2", "t3"]
+    assert service.version == 2 and len(service.queue) == 3
+    assert service.offer(synth(1)) == (False, "duplicate")  # already used
+    v, params = service.weights(2)
+    jax.tree.map(np.testing.assert_array_equal, params, learner.params)
+    assert service.weights(3) is None
+  finally:
+    service.close()
+    learner.close()
+
+
+# --- gRPC end to end, in one process ---
+def test_grpc_stream_weights_heartbeat_and_malformed(tiny_model):
+  c = tiny_run_config(batch_size=2)
+  learner, service = system.build_service(c, tiny_model)
+  server, port = srv.serve(service, "127.0.0.1:0")
+  client = GrpcClient(f"127.0.0.1:{port}", worker_id="w0")
+  try:
+    for i in range(3):
+      client.push(synth(i))
+    bad = codec.trajectory_to_proto(synth(9))
+    bad.behavior_logp.data = bad.behavior_logp.data[:-4]  # byte count disagrees with shape
+    client.push(bad)
+    client.push(synth(0))  # a duplicate
+    assert client.flush(20)
+    assert client.acks == collections.Counter(admitted=3, decode=1, duplicate=1)
+    assert service.rejected == collections.Counter(decode=1, duplicate=1)
+    assert len(service.queue) == 3
+    hb = client.heartbeat(dict(engine_version=0, trajectories=5, tokens=10, uptime_s=1.0,
+                               inflight=2))
+    assert hb["version"] == 0 and hb["queue_depth"] == 3 and not hb["shutdown"]
+    assert service.workers["w0"]["trajectories"] == 5
+    service.step(service.next_batch(threading.Event()))
+    v, params, _ = client.get_weights(1)
+    assert v == 1
+    jax.tree.map(np.testing.assert_array_equal, params, jax.device_get(learner.params))
+    assert client.get_weights(2) is None
+  finally:
+    client.close()
+    srv.stop(server)
+    service.close()
+    learner.close()
+
+
+def test_token_auth_and_loopback_rule(tiny_model):
+  assert srv.is_loopback("127.0.0.1:1") and srv.is_loopback("[::1]:5")
+  assert srv.is_loopback("localhost:9") and not srv.is_loopback("0.0.0.0:1")
+  learner, service = system.build_service(tiny_run_config(), tiny_model)
+  try:
+    with pytest.raises(srv.BindError, match="beyond loopback"):
+      srv.serve(service, "0.0.0.0:0")
+    server, port = srv.serve(service, "127.0.0.1:0", token="s3cret")
+    try:
+      stats = dict(engine_version=0, trajectories=0, tokens=0, uptime_s=0.0, inflight=0)
+      anon = GrpcClient(f"127.0.0.1:{port}")
+      with pytest.raises(grpc.RpcError) as e:
+        anon.stub.Heartbeat(pb.WorkerStats(**stats), timeout=5)
+      assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+      assert anon.get_weights(0) is None
+      anon.close()
+      ok = GrpcClient(f"127.0.0.1:{port}", token="s3cret")
+      assert ok.heartbeat(stats)["queue_capacity"] == service.queue.capacity
+      ok.close()
+    finally:
+      srv.stop(server)
+  finally:
+    service.close()
+    learner.close()
+
+
+def test_config_errors_are_named():
+  c = tiny_run_config()
+  c.service.queue_capacity = 1
+  with pytest.raises(rcfg.ConfigError, match="queue_capacity"):
+    rcfg.validate(c)
+  c = tiny_run_config()
+  c.env.name = "chess"
+  with pytest.raises(rcfg.ConfigError, match="chess"):
+    rcfg.validate(c)
+
+
+def test_generated_stubs_match_the_proto(tmp_path):
+  """The checked-in stubs are what `make proto` produces from the checked-in .proto."""
+  out = subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I.", f"--python_out={tmp_path}",
+                        f"--grpc_python_out={tmp_path}", "fr_jax/transport/fr_jax.proto"],
+                       capture_output=True, text=True)
+  assert out.returncode == 0, out.stderr
+  for name in ("fr_jax_pb2.py", "fr_jax_pb2_grpc.py"):
+    got = (tmp_path / "fr_jax/transport" / name).read_text()
+    assert got == open(f"fr_jax/transport/{name}").read(), f"{name} is stale: run make proto"
+
+
+def test_in_process_training_runs_lag_bounded(tmp_path, tiny_model):
+  """launch.train's path: worker threads on the embedded engine feed the learner."""
+  c = tiny_run_config(tmp_path, max_updates=3, max_policy_lag=1)
+  s = system.train_in_process(c, model=tiny_model)
+  assert s["updates"] == 3 and s["version"] == 3 and not s["worker_errors"]
+  assert s["max_lag"] <= 1 and s["trajectories_used"] == 3 * c.batch_size
+  from fr_jax.learner.metrics import read_jsonl
+  rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r]
+  assert [r["step"] for r in rows] == [1, 2, 3]
+  assert all(r["policy_lag_max"] <= 1 for r in rows)
+  assert math.isfinite(rows[-1]["loss"])

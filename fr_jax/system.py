@@ -129,17 +129,20 @@ def start_worker_threads(c, service, model, n: int, stop: threading.Event,
 
 
 def train_in_process(c: ml_collections.ConfigDict, *, model=None,
-                     on_update: Optional[Callable] = None) -> dict:
+                     on_update: Optional[Callable] = None,
+                     stop: Optional[threading.Event] = None, final: Optional[dict] = None) -> dict:
   """The whole system in one process: learner loop on this thread, workers as threads
-  sharing the model and the devices (weights handed over as arrays, nothing serialised)."""
+  sharing the model and the devices (weights handed over as arrays, nothing serialised).
+  Setting `stop` ends the run after the current update, with a checkpoint. `final`, if
+  given, receives the last published (version, params)."""
   model = model or load_model(c)
   if model.tokenizer is None and c.rollout.engine == "embedded":
     raise rcfg.ConfigError(f"model {c.model.name!r} has no tokenizer; rollouts need one "
                            "(use tiny-chat for tiny runs)")
   learner, service = build_service(c, model)
-  stop = threading.Event()
+  learner_stop = stop or threading.Event()
+  stop = threading.Event()  # the workers'
   workers = start_worker_threads(c, service, model, c.rollout.num_workers, stop)
-  learner_stop = threading.Event()
 
   def watchdog():  # every worker gave up: stop rather than wait for data forever
     while not stop.is_set():
@@ -152,6 +155,8 @@ def train_in_process(c: ml_collections.ConfigDict, *, model=None,
   threading.Thread(target=watchdog, daemon=True, name="watchdog").start()
   try:
     summary = service.run(c.max_updates, learner_stop, on_update=on_update)
+    if final is not None:
+      final["version"], final["params"] = service.weights(0)
   finally:
     stop.set()
     service.close()

@@ -222,3 +222,36 @@ def test_sixteen_flooding_workers_keep_memory_bounded(tmp_path):
   # The step's own buffers make RSS swing by a few hundred MB; what must not happen is a
   # trend: an unbounded queue would keep growing by offered * record_mb.
   assert last - first < 64 * 2**20
+
+
+def test_ctrl_c_then_the_same_command_resumes(tmp_path):
+  """launch.train: SIGINT stops after the current update with a checkpoint; rerunning the same
+  command continues from it to max_updates, without repeating an update."""
+  run = str(tmp_path)
+  cmd = [sys.executable, "-m", "launch.train", CONFIG, f"--run_dir={run}",
+         "--config.max_updates=12"]
+  p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+  wait_for(lambda: version(run) >= 2, 180, "two updates", [p])
+  p.send_signal(signal.SIGINT)
+  out, err = p.communicate(timeout=120)
+  assert p.returncode == 0 and "interrupted at version" in err, err[-2000:]
+  stopped = json.loads(out.strip().splitlines()[-1])["version"]
+  assert 2 <= stopped < 12
+  out = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  s = json.loads(out.stdout.strip().splitlines()[-1])
+  assert s["version"] == 12 and s["updates"] == 12 - stopped
+  assert [r["step"] for r in update_rows(run)] == list(range(1, 13))
+
+
+def test_bad_config_fails_fast_with_one_line(tmp_path):
+  for args, needle in [(["--config.objective.trust=bad"], "objective.trust"),
+                       (["--config.model.name=/no/such/model"], "/no/such/model"),
+                       (["--config.no_such_field=1"], "no_such_field")]:
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "launch.train", CONFIG, *args],
+                         capture_output=True, text=True, env=ENV, timeout=120)
+    assert out.returncode == 2, out.stderr[-1000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("error:") and needle in last, out.stderr[-1000:]
+    assert time.monotonic() - t0 < 30

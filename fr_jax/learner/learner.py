@@ -195,6 +195,10 @@ class Learner:
         packing_efficiency=packed.efficiency, micro_batches=len(packed.batches),
         policy_lag_mean=float(np.mean(lags)), policy_lag_max=int(max(lags)),
         reward_mean=float(np.mean([t.reward for t in trajs])),
+        response_length=float(np.mean([t.completion_tokens.shape[0] for t in trajs])),
+        truncation_rate=float(np.mean([t.truncated for t in trajs])),
+        tool_calls=float(np.mean([t.num_tool_calls for t in trajs])),
+        turns=float(np.mean([t.num_turns for t in trajs])),
         flops=flops, mfu=flops / dt / self._peak, version=self.version,
         skipped_total=int(self.state.skipped))
     if not m["finite"]:

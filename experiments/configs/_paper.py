@@ -1,0 +1,26 @@
+"""Shared settings of the paper's GPU recipes: an HF checkpoint path (given on the command line
+or in FR_JAX_CKPT), an SGLang fleet for rollouts, bf16 compute, long packed rows, a data x
+fsdp mesh. The numbers come from ../shared/PAPER_NOTES.md (the authors' defaults)."""
+
+import os
+
+from fr_jax import config as rcfg
+
+
+def base(checkpoint_env: str):
+  c = rcfg.default_config()
+  c.model.name = os.environ.get(checkpoint_env, f"hf:/path/to/{checkpoint_env.lower()}")
+  c.model.compute_dtype = "bfloat16"
+  c.model.remat = True
+  c.optim.lr = 1e-6  # Molt R1 defaults
+  c.packing.row_len = 16384
+  c.packing.row_buckets = (8, 16, 24, 32, 48, 64)
+  c.mesh.data, c.mesh.fsdp = 2, 4  # 8 accelerators; scale the axes with the fleet
+  c.rollout.engine = "sglang"
+  c.rollout.sglang_url = os.environ.get("SGLANG_URL", "http://127.0.0.1:30000")
+  c.rollout.inflight = 256
+  c.service.export_hf = True  # the SGLang fleet reloads from run_dir/exports
+  c.service.queue_capacity = 1024
+  c.checkpoint.every = 50
+  c.eval.n = 0
+  return c

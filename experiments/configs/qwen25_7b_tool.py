@@ -1,0 +1,27 @@
+"""Qwen2.5-7B-Instruct with the sandboxed Python tool, multi-turn (delta=1e-3).
+
+  FR_JAX_CKPT=/ckpt/Qwen2.5-7B-Instruct \\
+    python -m launch.learner --config=experiments/configs/qwen25_7b_tool.py --run_dir=runs/tool
+
+Hardware: 8+ GPUs for the learner (fsdp) plus an SGLang fleet. Expected time: the paper's 600
+steps, about a day (not measured here). Needs an HF checkpoint.
+"""
+
+from experiments.configs import _paper
+
+
+def get_config():
+  c = _paper.base("FR_JAX_CKPT")
+  c.batch_size = 128
+  c.objective.delta = 1e-3
+  c.max_updates = 600
+  c.optim.total_steps = 600
+  c.mesh.data, c.mesh.fsdp = 1, 8
+  c.packing.row_buckets = (8, 16, 24, 32)
+  c.env.name = "arithmetic"
+  c.env.kwargs.difficulty = 4
+  c.agent.max_turns = 8
+  c.agent.max_new_tokens = 1024
+  c.agent.max_total_tokens = 8192
+  c.agent.template = "model"
+  return c

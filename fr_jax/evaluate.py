@@ -1,0 +1,60 @@
+"""Held-out evaluation: the agent loop on a fixed test split, greedy or sampled.
+
+`evaluate()` runs every task of the first `n` in the env's test split through the same agent
+loop training uses (chat template, tool calls, turn and token limits) on an embedded engine.
+With samples=1 decoding is greedy; with samples=k > 1 each task is sampled k times at
+`temperature` and avg@k (mean reward over samples) and pass@k are reported too.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from fr_jax.rollout.agent import AgentConfig, AgentLoop
+from fr_jax.rollout.embedded import EmbeddedEngine
+
+
+def evaluate(model_config, params, tokenizer, env, agent: AgentConfig, *, n: int = 200,
+             samples: int = 1, temperature: float = 1.0, num_slots: int = 32,
+             seed: int = 0, engine=None) -> dict:
+  """`engine` defaults to an embedded engine on `params`."""
+  size = env.split_size("test")
+  if not 1 <= n <= size:
+    raise ValueError(f"n={n} must be in [1, {size}] (the {env.name} test split's size)")
+  if samples < 1:
+    raise ValueError(f"samples={samples} must be >= 1")
+  t0 = time.perf_counter()
+  tasks = [env.task("test", i) for i in range(n)]
+  cfg = AgentConfig(**{**agent.__dict__, "temperature": 0.0 if samples == 1 else temperature})
+  if engine is None:
+    engine = EmbeddedEngine(model_config, params, tokenizer=tokenizer,
+                            num_slots=min(num_slots, n), max_len=cfg.max_total_tokens + 1)
+  loop = AgentLoop(engine, tokenizer, env, cfg)
+  rewards = np.zeros((samples, n))
+  trajs = []
+  for s in range(samples):
+    ts, _ = loop.run(tasks, [seed + s * n + i for i in range(n)])
+    rewards[s] = [t.reward for t in ts]
+    trajs += ts
+  lengths = [t.completion_tokens.shape[0] for t in trajs]
+  out = dict(env=env.name, n=n, samples=samples,
+             decoding="greedy" if samples == 1 else f"temperature {temperature}",
+             accuracy=float(rewards[0].mean()),
+             tool_calls_per_trajectory=float(np.mean([t.num_tool_calls for t in trajs])),
+             response_length=float(np.mean(lengths)),
+             truncation_rate=float(np.mean([t.truncated for t in trajs])),
+             turns=float(np.mean([t.num_turns for t in trajs])),
+             seconds=round(time.perf_counter() - t0, 1))
+  if samples > 1:
+    out[f"avg@{samples}"] = float(rewards.mean())
+    out[f"pass@{samples}"] = float((rewards.max(0) > 0).mean())
+  return out
+
+
+def table(result: dict) -> str:
+  """A two-column text table of a result."""
+  w = max(len(k) for k in result)
+  return "\n".join(f"{k:<{w}}  {v:.4f}" if isinstance(v, float) else f"{k:<{w}}  {v}"
+                   for k, v in result.items())

@@ -1,0 +1,64 @@
+"""Held-out evaluation against hand-counted answers from a scripted policy (a test double of
+the engine), and the run plot."""
+
+import json
+
+
+from fr_jax import envs
+from fr_jax.evaluate import evaluate
+from fr_jax.models.tokenizer import Tokenizer
+from fr_jax.plots import plot_run
+from fr_jax.rollout.agent import AgentConfig
+from fr_jax.rollout.engine import Completion
+
+
+class AnswerEngine:
+  """Answers task k of the test split right when k % 3 == 0, else wrong; task 1 first calls
+  the tool. It reads the task from the prompt text, as a model would."""
+
+  version = 0
+
+  def __init__(self, tok, env, n):
+    self.tok, self.answers = tok, {}
+    for k in range(n):
+      t = env.task("test", k)
+      self.answers[t.prompt] = (k, t.answer)
+
+  def generate(self, requests, should_abort=None):
+    out = []
+    for r in requests:
+      text = self.tok.decode(r.prompt_ids)
+      prompt = next(p for p in self.answers if p in text)
+      k, ans = self.answers[prompt]
+      if k == 1 and "<tool_response>" not in text:
+        reply = '<tool_call>\n{"name": "python", "arguments": {"code": "print(1)"}}\n</tool_call>'
+      else:
+        reply = f"The answer is {ans if k % 3 == 0 else ans + 1}"
+      ids = self.tok.encode(reply) + [self.tok.token_id("<|im_end|>")]
+      out.append(Completion(r.request_id, ids, [-0.5] * len(ids), "stop", [0] * len(ids)))
+    return out
+
+
+def test_accuracy_and_tool_calls_match_hand_count(tmp_path):
+  tok = Tokenizer.byte_level()
+  env = envs.make("arithmetic", difficulty=2, use_tool_prompt=False)
+  n = 12
+  r = evaluate(None, None, tok, env, AgentConfig(max_turns=3, max_total_tokens=4096), n=n,
+               engine=AnswerEngine(tok, env, n))
+  assert r["accuracy"] == 4 / 12  # k = 0, 3, 6, 9
+  assert r["tool_calls_per_trajectory"] == 1 / 12 and r["turns"] == 13 / 12
+  assert r["truncation_rate"] == 0.0
+  r3 = evaluate(None, None, tok, env, AgentConfig(max_turns=3, max_total_tokens=4096), n=n,
+                samples=3, engine=AnswerEngine(tok, env, n))
+  assert r3["avg@3"] == r3["pass@3"] == 4 / 12
+
+
+def test_plot_run_writes_a_png(tmp_path):
+  rows = [dict(step=s, loss=0.1, reward_mean=0.1 * s, acceptance_rate=1.0, response_length=20,
+               truncation_rate=0.0, tool_calls=0.5) for s in range(1, 5)]
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  (tmp_path / "eval_start.json").write_text(json.dumps({"accuracy": 0.2, "n": 200}))
+  (tmp_path / "eval_end.json").write_text(json.dumps({"accuracy": 0.3, "n": 200}))
+  path = plot_run(tmp_path)
+  data = open(path, "rb").read()
+  assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000

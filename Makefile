@@ -1,4 +1,4 @@
-# fr_jax: `make test` and (later) `make demo` work on a fresh machine with only Python 3.11.
+# fr_jax: `make demo` and `make test` work on a fresh machine with only Python 3.11.
 # Each target creates .venv on first use and installs the pinned requirements into it.
 
 PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
@@ -13,7 +13,7 @@ TEST_JOBS ?= 2   # pytest-xdist processes (test files are kept whole per process
 DEMO_DIR ?= runs/demo
 
 help:
-	@echo "make demo      install .venv if needed, train SmolLM2-135M on arithmetic (~30 min, CPU)"
+	@echo "make demo      install .venv if needed, train SmolLM2-135M on arithmetic (~20 min, CPU)"
 	@echo "make test      install .venv if needed, run the fast test suite (not marked slow)"
 	@echo "make test-all  run every test, slow ones included"
 	@echo "make bench     run the benchmarks in experiments/benchmarks/ (JSON lines)"

@@ -115,7 +115,7 @@ class Worker:
         self.produced += 1
         self.tokens += t.num_action_tokens
         if t.num_action_tokens:
-          self.client.push(t)
+          self.client.push(t, stop)
         else:
           self.skipped_prompts += 1
           if self.skipped_prompts in (1, 100, 10_000):

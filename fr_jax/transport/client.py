@@ -43,10 +43,10 @@ class LocalClient:
     self.service, self.worker_id = service, worker_id
     self.acks = collections.Counter()
 
-  def push(self, traj) -> None:
+  def push(self, traj, stop: Optional[threading.Event] = None) -> None:
     while True:
       ok, reason = self.service.offer(traj, timeout=1.0)
-      if reason != "queue_full" or self.service.shutdown.is_set():
+      if reason != "queue_full" or self.service.shutdown.is_set() or (stop and stop.is_set()):
         break
     self.acks["admitted" if ok else reason] += 1
 
@@ -90,11 +90,11 @@ class GrpcClient:
     self._sender.start()
 
   # --- trajectories ---
-  def push(self, traj) -> None:
-    """Queues one record for the stream; blocks while the outbox is full."""
+  def push(self, traj, stop: Optional[threading.Event] = None) -> None:
+    """Queues one record for the stream; blocks while the outbox is full (until `stop`)."""
     msg = codec.trajectory_to_proto(traj, self.worker_id) if not isinstance(
         traj, pb.Trajectory) else traj
-    while not self._closed.is_set():
+    while not self._closed.is_set() and not (stop is not None and stop.is_set()):
       try:
         self._outbox.put(msg, timeout=0.5)
         return

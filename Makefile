@@ -18,7 +18,7 @@ help:
 	@echo "make test-all  run every test, slow ones included"
 	@echo "make bench     run the benchmarks in experiments/benchmarks/ (JSON lines)"
 	@echo "make smoke     learner + 2 worker processes over loopback gRPC, 5 updates (tiny model)"
-	@echo "make proto     regenerate the gRPC stubs from fr_jax/transport/fr_jax.proto"
+	@echo "make proto     regenerate the message classes from fr_jax/transport/fr_jax.proto"
 	@echo "make venv      only create/refresh .venv"
 
 venv: $(STAMP)
@@ -51,7 +51,7 @@ smoke: $(STAMP)
 	$(VPY) -m launch.smoke
 
 proto: $(STAMP)
-	$(VPY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. \
+	$(VPY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. \
 	  fr_jax/transport/fr_jax.proto
 
 clean-venv:

@@ -21,6 +21,7 @@ from fr_jax.learner.synthetic import synthetic_trajectory
 from fr_jax.trajectory import TrajectoryError
 from fr_jax.transport import codec
 from fr_jax.transport import fr_jax_pb2 as pb
+from fr_jax.transport import rpc
 from fr_jax.transport import server as srv
 from fr_jax.transport.client import GrpcClient, LocalClient
 
@@ -242,12 +243,21 @@ def test_config_errors_are_named():
 
 
 def test_generated_stubs_match_the_proto(tmp_path):
-  """The checked-in stubs are what `make proto` produces from the checked-in .proto."""
+  """The checked-in message classes are what `make proto` produces from the checked-in .proto,
+  and rpc.METHODS declares exactly the .proto's service."""
   out = subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I.", f"--python_out={tmp_path}",
-                        f"--grpc_python_out={tmp_path}", "fr_jax/transport/fr_jax.proto"],
-                       capture_output=True, text=True)
+                        "fr_jax/transport/fr_jax.proto"], capture_output=True, text=True)
   assert out.returncode == 0, out.stderr
-  for name in ("fr_jax_pb2.py", "fr_jax_pb2_grpc.py"):
+  svc = pb.DESCRIPTOR.services_by_name["Learner"]
+  assert svc.full_name == rpc.SERVICE
+  kinds = {m.name: ("stream" if m.client_streaming else "unary") + "_" +
+           ("stream" if m.server_streaming else "unary") for m in svc.methods}
+  assert kinds == {n: k for n, (k, _, _) in rpc.METHODS.items()}
+  for m in svc.methods:
+    _, req, resp = rpc.METHODS[m.name]
+    assert (m.input_type.full_name, m.output_type.full_name) == \
+           (req.DESCRIPTOR.full_name, resp.DESCRIPTOR.full_name)
+  for name in ("fr_jax_pb2.py",):
     got = (tmp_path / "fr_jax/transport" / name).read_text()
     assert got == open(f"fr_jax/transport/{name}").read(), f"{name} is stale: run make proto"
 

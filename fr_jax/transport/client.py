@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from fr_jax.transport import codec
 from fr_jax.transport import fr_jax_pb2 as pb
-from fr_jax.transport import fr_jax_pb2_grpc as pb_grpc
+from fr_jax.transport import rpc
 from fr_jax.transport.server import CHANNEL_OPTIONS
 
 log = logging.getLogger("fr_jax.transport")
@@ -76,7 +76,7 @@ class GrpcClient:
       self.channel = grpc.secure_channel(address, creds, options=CHANNEL_OPTIONS)
     else:
       self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-    self.stub = pb_grpc.LearnerStub(self.channel)
+    self.stub = rpc.Stub(self.channel)
     self._md = (("authorization", f"Bearer {token}"),) if token else None
     self._outbox: queue.Queue = queue.Queue(maxsize=outbox_size)
     self._pending: collections.deque = collections.deque()  # sent, not yet acknowledged

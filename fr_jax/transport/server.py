@@ -19,7 +19,7 @@ import numpy as np
 
 from fr_jax.transport import codec
 from fr_jax.transport import fr_jax_pb2 as pb
-from fr_jax.transport import fr_jax_pb2_grpc as pb_grpc
+from fr_jax.transport import rpc
 from fr_jax.trajectory import TrajectoryError
 
 log = logging.getLogger("fr_jax.transport")
@@ -54,24 +54,19 @@ class _TokenAuth(grpc.ServerInterceptor):
     def deny(request, context):
       context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong shared token")
 
-    self._deny = grpc.unary_unary_rpc_method_handler(deny)
-    self._deny_stream = grpc.stream_stream_rpc_method_handler(
-        lambda it, context: deny(None, context))
-    self._deny_unary_stream = grpc.unary_stream_rpc_method_handler(deny)
+    self._deny = {kind: getattr(grpc, f"{kind}_rpc_method_handler")(deny)
+                  for kind in ("unary_unary", "unary_stream", "stream_stream")}
 
   def intercept_service(self, continuation, handler_call_details):
     md = dict(handler_call_details.invocation_metadata or ())
     if md.get("authorization") == f"Bearer {self._token}":
       return continuation(handler_call_details)
-    method = handler_call_details.method
-    if method.endswith("PushTrajectories"):
-      return self._deny_stream
-    if method.endswith("GetWeights"):
-      return self._deny_unary_stream
-    return self._deny
+    return self._deny[rpc.method_kind(handler_call_details.method)]
 
 
-class _Servicer(pb_grpc.LearnerServicer):
+class _Servicer:
+  """The Learner service's three methods (see rpc.METHODS) over a LearnerService."""
+
   def __init__(self, service):
     self.service = service
     self._weights_cache: tuple[int, list] = (-1, [])
@@ -129,7 +124,7 @@ def serve(service, address: str = "127.0.0.1:0", *, token: str = "",
   server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
                                                   thread_name_prefix="grpc"),
                        options=CHANNEL_OPTIONS, interceptors=interceptors)
-  pb_grpc.add_LearnerServicer_to_server(_Servicer(service), server)
+  rpc.add_to_server(_Servicer(service), server)
   if tls_cert and tls_key:
     creds = grpc.ssl_server_credentials([(Path(tls_key).read_bytes(),
                                           Path(tls_cert).read_bytes())])

@@ -185,18 +185,23 @@ class AgentLoop:
         finish_reason=ep.finish_reason, num_tool_calls=ep.tool_calls, num_turns=ep.turns,
         env=self.env.name, traj_id="")
 
+  def step(self, eps: Sequence[Episode], seeds: Sequence[int], should_abort=None) -> bool:
+    """One round: every live episode takes a model turn (batched on the engine) and what
+    follows it. Returns False if no episode was live."""
+    live = [i for i, e in enumerate(eps) if not e.done]
+    if live:
+      outs = self.engine.generate([self.request(eps[i], seeds[i]) for i in live],
+                                  should_abort=should_abort)
+      for i, c in zip(live, outs):
+        self.advance(eps[i], c)
+    return bool(live)
+
   def run(self, tasks: Sequence[Task], seeds: Sequence[int], should_abort=None):
     """Runs one episode per task to the end; model turns of live episodes are batched.
     Returns (trajectories, episodes) in task order."""
     eps = [self.start(t) for t in tasks]
-    while True:
-      live = [i for i, e in enumerate(eps) if not e.done]
-      if not live:
-        break
-      reqs = [self.request(eps[i], seeds[i]) for i in live]
-      outs = self.engine.generate(reqs, should_abort=should_abort)
-      for i, c in zip(live, outs):
-        self.advance(eps[i], c)
+    while self.step(eps, seeds, should_abort):
+      pass
     trajs = []
     for e, s in zip(eps, seeds):
       t = self.trajectory(e)

@@ -84,45 +84,32 @@ class Worker:
     self._k += 1
     seeds.append(stable_hash(f"{self.seed}/{self.worker_id}/{self.nonce}/{self._k}") % 2**31)
 
-  def run(self, stop: Optional[threading.Event] = None,
-          max_trajectories: Optional[int] = None) -> int:
-    """Produces trajectories until `stop`, learner shutdown or `max_trajectories`."""
+  def run(self, stop: Optional[threading.Event] = None) -> int:
+    """Produces trajectories until `stop` or the learner's shutdown; returns how many."""
     stop = stop or threading.Event()
     eps, seeds = [], []
-    n_started = 0
     while not stop.is_set() and not self.shutdown:
       self.sync(len(eps))
-      budget = None if max_trajectories is None else max_trajectories - n_started
-      while len(eps) < self.inflight and (budget is None or budget > 0):
+      while len(eps) < self.inflight:
         self._new_episode(eps, seeds)
-        n_started += 1
-        budget = None if budget is None else budget - 1
-      if not eps:
-        break
-      live = [i for i, e in enumerate(eps) if not e.done]
-      if live:
-        reqs = [self.loop.request(eps[i], seeds[i]) for i in live]
-        for i, c in zip(live, self.engine.generate(reqs)):
-          self.loop.advance(eps[i], c)
-      keep_e, keep_s = [], []
-      for e, s in zip(eps, seeds):
-        if not e.done:
-          keep_e.append(e)
-          keep_s.append(s)
-          continue
-        t = self.loop.trajectory(e)
-        t.traj_id = f"{self.worker_id}/{self.nonce}/{self.produced}"
-        self.produced += 1
-        self.tokens += t.num_action_tokens
-        if t.num_action_tokens:
-          self.client.push(t, stop)
-        else:
-          self.skipped_prompts += 1
-          if self.skipped_prompts in (1, 100, 10_000):
-            log.warning("%s: %d prompts left no room to generate within max_total_tokens",
-                        self.worker_id, self.skipped_prompts)
-      eps, seeds = keep_e, keep_s
+      self.loop.step(eps, seeds)
+      for e in eps:
+        if e.done:
+          self._finish(e, stop)
+      seeds = [s for e, s in zip(eps, seeds) if not e.done]
+      eps = [e for e in eps if not e.done]
     return self.produced
 
-  def data_state(self) -> dict:
-    return {"produced": self.produced}
+  def _finish(self, ep, stop) -> None:
+    """Streams a finished episode's trajectory (one that could not generate is skipped)."""
+    t = self.loop.trajectory(ep)
+    t.traj_id = f"{self.worker_id}/{self.nonce}/{self.produced}"
+    self.produced += 1
+    self.tokens += t.num_action_tokens
+    if t.num_action_tokens:
+      self.client.push(t, stop)
+      return
+    self.skipped_prompts += 1
+    if self.skipped_prompts in (1, 100, 10_000):
+      log.warning("%s: %d prompts left no room to generate within max_total_tokens",
+                  self.worker_id, self.skipped_prompts)

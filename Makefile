@@ -8,9 +8,10 @@ STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 TEST_JOBS ?= 2   # pytest-xdist processes (test files are kept whole per process)
 
-.PHONY: demo test test-all bench smoke proto venv clean-venv help
+.PHONY: demo test test-all bench smoke replication proto venv clean-venv help
 
 DEMO_DIR ?= runs/demo
+REPLICATION_DIR ?= runs/replication
 
 help:
 	@echo "make demo      install .venv if needed, train SmolLM2-135M on arithmetic (~20 min, CPU)"
@@ -18,6 +19,7 @@ help:
 	@echo "make test-all  run every test, slow ones included"
 	@echo "make bench     run the benchmarks in experiments/benchmarks/ (JSON lines)"
 	@echo "make smoke     learner + 2 worker processes over loopback gRPC, 5 updates (tiny model)"
+	@echo "make replication  the paper's seven ablation comparisons, 5 seeds each (tiny model, CPU)"
 	@echo "make proto     regenerate the message classes from fr_jax/transport/fr_jax.proto"
 	@echo "make venv      only create/refresh .venv"
 
@@ -49,6 +51,9 @@ bench: $(STAMP)
 
 smoke: $(STAMP)
 	$(VPY) -m launch.smoke
+
+replication: $(STAMP)
+	$(VPY) -m experiments.replication.run --seeds=5 --out=$(REPLICATION_DIR)
 
 proto: $(STAMP)
 	$(VPY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. \

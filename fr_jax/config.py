@@ -20,7 +20,7 @@ def default_config() -> ml_collections.ConfigDict:
   c.run_dir = ""  # metrics.jsonl, TensorBoard, checkpoints/, exports/; empty: nothing written
   c.max_updates = 100  # total updates (a resumed run counts the restored ones)
   c.env = ml_collections.ConfigDict(dict(
-      name="arithmetic",  # arithmetic | countdown | textworld
+      name="arithmetic",  # arithmetic | countdown | textworld | digits
       kwargs=ml_collections.ConfigDict(),  # constructor settings, e.g. difficulty=2
       seed=0,  # prompt shuffling
   ))

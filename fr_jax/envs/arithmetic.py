@@ -14,7 +14,7 @@ from typing import Optional
 
 import numpy as np
 
-from fr_jax.envs.base import Task, check_split, last_number, split_of
+from fr_jax.envs.base import Task, check_split, last_number, procedural_task, split_of
 
 TOOL_SYSTEM = (
     "You can run Python to compute. To call it, write exactly:\n"
@@ -170,7 +170,7 @@ class Countdown:
   interactive: bool = False
 
   def __post_init__(self):
-    self._test: Optional[list[Task]] = None
+    self._test: list[Task] = []
 
   system_prompt = ("Combine the given numbers with +, -, * and / (each number at most once) "
                    "to reach the target. Put the expression alone on the last line, e.g. "
@@ -194,23 +194,7 @@ class Countdown:
     return Task(self.name, key, text, int(value), {"numbers": nums})
 
   def task(self, split, index):
-    check_split(split)
-    if split == "test":
-      if self._test is None:
-        rng = np.random.default_rng([self.seed, 2])
-        seen, out = set(), []
-        while len(out) < self.test_size:
-          t = self._draw(rng)
-          if split_of(t.task_id) == "test" and t.task_id not in seen:
-            seen.add(t.task_id)
-            out.append(t)
-        self._test = out
-      return self._test[index]
-    rng = np.random.default_rng([self.seed, 1, index])
-    while True:
-      t = self._draw(rng)
-      if split_of(t.task_id) == "train":
-        return t
+    return procedural_task(self._draw, self.seed, split, index, self._test, self.test_size)
 
   def reward(self, task: Task, final_text: str) -> float:
     lines = [l for l in final_text.strip().splitlines() if l.strip()]

@@ -72,6 +72,29 @@ def check_split(split: str):
     raise ValueError(f"split={split!r}: choose one of {SPLITS}")
 
 
+def procedural_task(draw, seed: int, split: str, index: int, test: list, test_size: int):
+  """Task `index` of `split` from a generator `draw(rng) -> Task`. A train task is the first
+  draw from rng([seed, 1, index]) whose key hashes to train; the test split is the first
+  `test_size` distinct tasks drawn from rng([seed, 2]) whose keys hash to test, built once
+  into the caller's `test` list."""
+  check_split(split)
+  if split == "test":
+    if not test:
+      rng = np.random.default_rng([seed, 2])
+      seen = set()
+      while len(test) < test_size:
+        t = draw(rng)
+        if split_of(t.task_id) == "test" and t.task_id not in seen:
+          seen.add(t.task_id)
+          test.append(t)
+    return test[index]
+  rng = np.random.default_rng([seed, 1, index])
+  while True:
+    t = draw(rng)
+    if split_of(t.task_id) == "train":
+      return t
+
+
 _INT = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 

@@ -146,6 +146,8 @@ class AgentLoop:
       return
     if self.env.interactive:
       obs, finished = ep.env_episode.observe(text)
+      # An interactive environment that offers tools counts its own calls.
+      ep.tool_calls = getattr(ep.env_episode, "tool_calls", ep.tool_calls)
       if finished:
         ep.done, ep.reward = True, ep.env_episode.reward()
         return

@@ -1,0 +1,312 @@
+"""One replication run: a warm-started tiny model, then N updates of the real learner on
+rollouts of the real agent loop and embedded engine, with the policy lag set exactly.
+
+Why not the threaded asynchronous system (`fr_jax.system`)? There, thread timing decides
+which policy version sampled each trajectory, so lag is whatever the run produced and two arms
+never see the same lag. Here rollouts for update t are sampled by the snapshot of version
+max(0, t - lag) (kept on the host), so "lag 4" means every trajectory is exactly 4 versions
+old: the same staleness the asynchronous pipeline produces at an in-flight depth of ~4
+batches, made repeatable. Everything else (packing, the jitted step, the objective, the gate,
+AdamW, the agent loop, the engine's behaviour log-probs) is the production code.
+
+Warm start: a tiny random model cannot earn reward on anything, and the paper starts from
+instruct models that know the format. `warm_start` fine-tunes the random model on demonstrations
+(`Digits.demonstration`: random filler lengths, some past the token limit; the tool called
+in a set share of them) until it can copy a digit it sees, so RL starts from a model that
+answers ~50-75% of held-out tasks and has length and tool-use habits to change. The warm
+start is deterministic per (setting, seed) and shared by the arms of a comparison, so arms
+differ only in what the comparison varies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import pickle
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from fr_jax.envs.base import prompt_dataset
+from fr_jax.envs.digits import Digits
+from fr_jax.evaluate import evaluate
+from fr_jax.learner import config as lcfg
+from fr_jax.learner.learner import Learner
+from fr_jax.models import decoder, registry
+from fr_jax.rollout.agent import AgentConfig, AgentLoop
+from fr_jax.rollout.embedded import EmbeddedEngine
+
+MODEL = "tiny-chat"
+
+
+def load_model(seed: int, width: int):
+  """tiny-chat (byte-level tokenizer, 2 layers) at hidden size `width`, random init."""
+  m = registry.load(MODEL, seed=seed)
+  if width == m.config.hidden_size:
+    return m
+  cfg = m.config.replace(hidden_size=width, intermediate_size=2 * width,
+                         head_dim=width // m.config.num_heads)
+  return dataclasses.replace(m, config=cfg, params=decoder.init_params(cfg, jax.random.key(seed)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+  """Everything one arm of a comparison fixes."""
+
+  tool: bool = False  # Digits(tool=...): lookup task with a tool, or copy task
+  updates: int = 60  # optimizer steps
+  batch_size: int = 16  # B trajectories per step
+  group_size: int = 1  # G rollouts per prompt (GRPO groups when > 1)
+  minibatches: int = 1  # k > 1: sample k*B at once, then k consecutive steps
+  lag: int = 0  # every rollout is sampled by the policy `lag` versions old
+  loss: str = "flash_reinforce"  # or grpo
+  reduction: str = "sample_mean"
+  trust: str = "sequence"
+  advantage: str = "batch_centered"
+  delta: float = 3e-3
+  lr: float = 1e-3
+  temperature: float = 1.0
+  max_turns: int = 1
+  max_new_tokens: int = 10
+  eval_n: int = 200
+  width: int = 64  # model hidden size
+  # warm start
+  sft_steps: int = 600  # at least this many supervised steps ...
+  sft_max_steps: int = 3000  # ... and then more, 200 at a time, until the model copies:
+  copy_check: float = 0.8  # greedy copy-task accuracy among finished episodes (0: no check)
+  sft_batch: int = 32
+  sft_lr: float = 3e-3
+  tool_rate: float = 0.5
+  correct_rate: float = 1.0
+  max_filler: int = 10
+  copy_mix: float = 0.0  # tool task: fraction of warm-start demos drawn from the copy task
+
+  def agent(self, temperature: Optional[float] = None) -> AgentConfig:
+    return AgentConfig(max_turns=self.max_turns, max_new_tokens=self.max_new_tokens,
+                       max_total_tokens=self.max_total_tokens,
+                       temperature=self.temperature if temperature is None else temperature,
+                       template="chatml")
+
+  @property
+  def max_total_tokens(self) -> int:
+    return 32 + self.max_turns * (self.max_new_tokens + 24)
+
+  def env(self) -> Digits:
+    return Digits(tool=self.tool)
+
+  def warm_key(self) -> tuple:
+    return (self.width, self.tool, self.max_turns, self.max_new_tokens, self.sft_steps,
+            self.sft_max_steps, self.copy_check, self.sft_batch, self.sft_lr, self.tool_rate,
+            self.correct_rate, self.max_filler, self.copy_mix)
+
+
+# --- warm start -------------------------------------------------------------------------------
+
+def demo_tokens(setting: Setting, loop: AgentLoop, task, rng) -> tuple[list[int], list[bool]]:
+  """Token ids of one demonstration episode, rendered exactly as the agent loop renders a
+  rollout, and the mask of model-turn tokens (the supervised targets)."""
+  tok = loop.tok
+  end = tok.token_id("<|im_end|>")
+  ep = loop.start(task)
+  ids, mask = list(ep.prompt_ids), [False] * len(ep.prompt_ids)
+  env_ep = loop.env.start(task)
+  for turn in setting.env().demonstration(task, rng, tool_rate=setting.tool_rate,
+                                          correct_rate=setting.correct_rate,
+                                          max_filler=setting.max_filler):
+    t = tok.encode(turn, add_bos=False) + [end]
+    ids += t
+    mask += [True] * len(t)
+    obs, done = env_ep.observe(turn)
+    if done:
+      break
+    u = loop.user_turn_ids(obs)
+    ids += u
+    mask += [False] * len(u)
+  return ids, mask
+
+
+_WARM: dict = {}
+CACHE_DIR: Optional[str] = None  # if set, warm starts are also kept there as pickles
+
+
+def warm_start(setting: Setting, seed: int):
+  """(host params, info) of the warm-started model for (setting's warm-start fields, seed),
+  cached in this process (and in CACHE_DIR when set: the runner resumes without redoing
+  them). info: supervised steps taken and the copy skill reached."""
+  key = (setting.warm_key(), seed)
+  if key in _WARM:
+    return _WARM[key]
+  path = None
+  if CACHE_DIR:
+    digest = hashlib.sha1(repr(key).encode()).hexdigest()[:16]
+    path = Path(CACHE_DIR) / f"warm-{digest}.pkl"
+    if path.exists():
+      _WARM[key] = pickle.loads(path.read_bytes())
+      return _WARM[key]
+  _WARM[key] = _warm_start(setting, seed)
+  if path is not None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(pickle.dumps(_WARM[key]))
+    tmp.replace(path)
+  return _WARM[key]
+
+
+def _warm_start(setting: Setting, seed: int):
+  model = load_model(seed, setting.width)
+  cfg, tok = model.config, model.tokenizer
+  env = setting.env()
+  loop = AgentLoop(None, tok, env, setting.agent())
+  copy = dataclasses.replace(setting, tool=False)
+  copy_loop = AgentLoop(None, tok, copy.env(), copy.agent())
+  rng = np.random.default_rng([seed, 404])
+  n = setting.sft_steps * setting.sft_batch
+  seqs = []
+  for i in rng.integers(0, env.split_size("train"), n):
+    # The tool task's warm start can mix in copy demos: copying a digit from the context is
+    # then a skill the model has, and calling the tool is what puts the digit there.
+    s, lp = (copy, copy_loop) if rng.random() < setting.copy_mix else (setting, loop)
+    seqs.append(demo_tokens(s, lp, lp.env.task("train", int(i)), rng))
+  L = max(len(s) for s, _ in seqs)
+  ids = np.zeros((n, L), np.int32)
+  mask = np.zeros((n, L), bool)
+  for i, (s, m) in enumerate(seqs):
+    ids[i, :len(s)], mask[i, :len(m)] = s, m
+  # Targets: token j+1 predicted at j.
+  inputs, targets, tmask = ids[:, :-1], ids[:, 1:], mask[:, 1:]
+  pos = np.broadcast_to(np.arange(L - 1), inputs.shape)
+  opt = optax.adamw(setting.sft_lr, weight_decay=0.0)
+
+  def loss_fn(p, x, y, m, pp):
+    logp, _ = decoder.score_packed(p, cfg, x, y, pp, (x > -1).astype(jnp.int32))
+    return -(logp * m).sum() / jnp.maximum(m.sum(), 1)
+
+  @jax.jit
+  def sft_step(p, s, x, y, m, pp):
+    loss, g = jax.value_and_grad(loss_fn)(p, x, y, m, pp)
+    u, s = opt.update(g, s, p)
+    return optax.apply_updates(p, u), s, loss
+
+  p = model.params
+  s = opt.init(p)
+  B = setting.sft_batch
+  k = 0
+  skill = None
+  while True:
+    for _ in range(setting.sft_steps if k == 0 else 200):
+      j = (k % setting.sft_steps) * B  # later chunks cycle over the same demos
+      sl = slice(j, j + B)
+      p, s, _ = sft_step(p, s, inputs[sl], targets[sl], tmask[sl], pos[sl])
+      k += 1
+    if setting.copy_check <= 0 or k >= setting.sft_max_steps:
+      break
+    # Copying a digit from the context is learned suddenly, after a seed-dependent number of
+    # steps; a warm start that has not got there would make its seed a different experiment.
+    skill = copy_skill(cfg, p, tok, copy)
+    if skill >= setting.copy_check:
+      break
+  return jax.device_get(p), dict(steps=k, copy_skill=skill)
+
+
+def copy_skill(cfg, params, tok, copy: Setting, n: int = 64) -> float:
+  """Greedy accuracy on n copy-task test episodes that ended before the token limit."""
+  env = copy.env()
+  engine = EmbeddedEngine(cfg, params, tokenizer=tok, num_slots=n,
+                          max_len=copy.max_total_tokens + 1)
+  loop = AgentLoop(engine, tok, env, copy.agent(temperature=0.0))
+  trajs, _ = loop.run([env.task("test", i) for i in range(n)], list(range(n)))
+  done = [t for t in trajs if not t.truncated]
+  return sum(t.reward for t in done) / max(1, len(done))
+
+
+# --- one run ----------------------------------------------------------------------------------
+
+def learner_config(s: Setting, seed: int):
+  c = lcfg.default_config()
+  c.model.name = MODEL
+  c.model.remat = False
+  c.model.seed = seed
+  c.batch_size = s.batch_size
+  c.minibatches = s.minibatches
+  o = c.objective
+  o.loss, o.reduction, o.trust, o.advantage = s.loss, s.reduction, s.trust, s.advantage
+  o.delta = float(s.delta)
+  o.temperature = s.temperature
+  c.optim.lr = s.lr
+  c.optim.warmup_frac = 0.0
+  c.optim.min_lr_ratio = 1.0  # constant learning rate: arms with different step counts match
+  c.optim.total_steps = max(1, s.updates)
+  c.packing.row_len = 256
+  c.packing.row_buckets = (1, 2, 4, 8, 16, 32)
+  c.log.peak_flops = 1e11  # no start-up matmul measurement
+  return c
+
+
+def _eval(s: Setting, model_cfg, params, tok) -> dict:
+  """Held-out test tasks, two samples each at the training temperature (greedy decoding
+  hides what sampling does, and RL changes the sampling distribution)."""
+  r = evaluate(model_cfg, params, tok, s.env(), s.agent(), n=s.eval_n, samples=2,
+               temperature=s.temperature, num_slots=64)
+  out = {k: r[k] for k in ("tool_calls_per_trajectory", "response_length", "truncation_rate")}
+  out["accuracy"] = r["avg@2"]
+  return out
+
+
+def run(s: Setting, seed: int, *, log: Optional[Callable[[str], None]] = None) -> dict:
+  """One arm, one seed. Returns the per-update curve and the held-out evaluations."""
+  t0 = time.perf_counter()
+  model = load_model(seed, s.width)
+  params0, warm = warm_start(s, seed)
+  model = dataclasses.replace(model, params=jax.tree.map(jnp.asarray, params0))
+  tok, cfg = model.tokenizer, model.config
+  learner = Learner(learner_config(s, seed), model=model)
+  env = s.env()
+  engine = EmbeddedEngine(cfg, model.params, tokenizer=tok, num_slots=64,
+                          max_len=s.max_total_tokens + 1)
+  loop = AgentLoop(engine, tok, env, s.agent())
+  start = _eval(s, cfg, model.params, tok)
+  t_train = time.perf_counter()
+  snapshots = {0: params0}
+  prompts = iter(prompt_dataset(env, "train", seed=seed))
+  covered: set = set()
+  curve = []
+  n_prompts = s.batch_size * s.minibatches // s.group_size
+  rollouts = 0
+  while learner.version < s.updates:
+    v = learner.version
+    vb = max(0, v - s.lag)
+    engine.update_weights(snapshots[vb], vb)
+    tasks = [next(prompts) for _ in range(n_prompts)]
+    covered.update(t.task_id for t in tasks)
+    tasks = [t for t in tasks for _ in range(s.group_size)]
+    seeds = [(seed * 1_000_003 + v * 4099 + i) % 2**31 for i in range(len(tasks))]
+    trajs, _ = loop.run(tasks, seeds)
+    for i, t in enumerate(trajs):
+      t.traj_id = f"{t.traj_id}@{v}.{i}"
+    rollouts += len(trajs)
+    m = learner.update(trajs, log_ids=False)
+    snapshots[learner.version] = jax.device_get(learner.params)
+    for old in [k for k in snapshots if k < learner.version - s.lag]:
+      del snapshots[old]
+    curve.append(dict(version=learner.version, reward=m["reward_mean"],
+                      acceptance=m["acceptance_rate"], entropy=m["entropy"],
+                      kl_proxy_mean=m["kl_proxy_mean"], kl_proxy_max=m["kl_proxy_max"],
+                      ratio_max=m["ratio_max"],
+                      length=m["response_length"], truncation=m["truncation_rate"],
+                      tool_calls=m["tool_calls"], policy_lag=m["policy_lag_mean"],
+                      finite=m["finite"]))
+    if log and (learner.version % 10 == 0 or learner.version >= s.updates):
+      log(f"  v{learner.version}: reward {m['reward_mean']:.2f} acceptance "
+          f"{m['acceptance_rate']:.2f} entropy {m['entropy']:.2f} length "
+          f"{m['response_length']:.1f}")
+  train_s = time.perf_counter() - t_train
+  end = _eval(s, cfg, learner.params, tok)
+  learner.close()
+  return dict(seed=seed, warm_start=warm, start=start, end=end, curve=curve, prompts_covered=len(covered),
+              rollouts=rollouts, train_wall_s=round(train_s, 2),
+              wall_s=round(time.perf_counter() - t0, 2))

@@ -1,0 +1,191 @@
+r"""Replication runner: the paper's ablation directions at CPU scale, several seeds each, with
+95% confidence intervals.
+
+  .venv/bin/python -m experiments.replication.run                      # all seven, 5 seeds
+  .venv/bin/python -m experiments.replication.run --only=gate_on_off   # one comparison
+  .venv/bin/python -m experiments.replication.run --only=fast --seeds=2 # the tiny plumbing check
+  make replication
+
+Writes to --out (default runs/replication): `results.json` (every run: curves, held-out
+evaluations, timings), `results.md` (the table: mean [95% CI] per arm and metric, paired
+differences and verdicts), `<comparison>.png` (reward and entropy curves, seed means).
+Runs already in `results.json` with the same settings are kept unless --rerun (a larger
+--seeds adds only the missing seeds); so an interrupted run resumes, and running one
+comparison updates only its rows. Summaries and the table are always recomputed.
+
+Setting: the `digits` tasks on a warm-started tiny model (`experiments/replication/driver.py`
+says why and how). These runs test the method's mechanisms, not the paper's numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from absl import app, flags
+
+from experiments.replication import comparisons as comps
+from experiments.replication import stats
+
+flags.DEFINE_list("only", [], "comparisons to run (default: all seven); `fast` = the tiny check")
+flags.DEFINE_integer("seeds", 5, "seeds per arm (>= 2 for intervals)")
+flags.DEFINE_string("out", "runs/replication", "output directory")
+flags.DEFINE_bool("rerun", False, "run comparisons again even if results.json has them")
+flags.DEFINE_bool("plots", True, "write <comparison>.png")
+F = flags.FLAGS
+
+
+def _say(msg: str):
+  print(msg, file=sys.stderr, flush=True)
+
+
+def settings_json(c: comps.Comparison) -> dict:
+  return {arm: dataclasses.asdict(s) for arm, s in c.arms.items()}
+
+
+def run_comparison(c: comps.Comparison, seeds: int, have: Optional[dict] = None) -> dict:
+  """Runs every arm for seeds 0..seeds-1; seeds already in `have` (same settings) are kept."""
+  from experiments.replication import driver
+  runs = {arm: [r for r in (have or {}).get(arm, []) if r["seed"] < seeds] for arm in c.arms}
+  for seed in range(seeds):
+    for arm, s in c.arms.items():
+      if any(r["seed"] == seed for r in runs[arm]):
+        continue
+      t0 = time.perf_counter()
+      _say(f"[{c.name}] {arm} seed {seed}: {s.updates} updates of B={s.batch_size}"
+           f"{f' (lag {s.lag})' if s.lag else ''}")
+      r = driver.run(s, seed, log=_say)
+      runs[arm].append(r)
+      _say(f"[{c.name}] {arm} seed {seed}: held-out accuracy {r['start']['accuracy']:.3f} -> "
+           f"{r['end']['accuracy']:.3f} ({time.perf_counter() - t0:.0f}s)")
+  return dict(settings=settings_json(c), seeds=seeds, runs=runs)
+
+
+def summarise(c: comps.Comparison, res: dict) -> dict:
+  """Per-arm means with intervals, and each claim's paired difference and verdict."""
+  runs = res["runs"]
+  arms = {arm: {m: stats.mean_ci([comps.metric(r, m) for r in rs]) for m in c.metrics}
+          for arm, rs in runs.items()}
+  for arm, rs in runs.items():
+    arms[arm]["start.accuracy"] = stats.mean_ci([r["start"]["accuracy"] for r in rs])
+  claims = []
+  for cl in c.claims:
+    a = [comps.metric(r, cl.metric) for r in runs[cl.first]]
+    b = [comps.metric(r, cl.metric) for r in runs[cl.second]]
+    d = stats.paired(a, b)
+    claims.append(dict(metric=cl.metric, first=cl.first, second=cl.second, higher=cl.higher,
+                       paper=cl.paper, diff=d, verdict=stats.verdict(d, cl.higher)))
+  return dict(arms=arms, claims=claims)
+
+
+def _fmt(ci: dict, metric: str) -> str:
+  nd = 1 if any(k in metric for k in ("length", "wall", "covered", "collapse")) else 3
+  return f"{ci['mean']:.{nd}f} [{ci['lo']:.{nd}f}, {ci['hi']:.{nd}f}]"
+
+
+def markdown(results: dict) -> str:
+  out = ["# Replication results", "",
+         "Mean [95% t-interval] over seeds; differences are paired by seed (first arm minus "
+         "second). Setting: `digits` tasks, warm-started tiny-chat model (see "
+         "docs/replication.md).", ""]
+  for name, res in results["comparisons"].items():
+    c = comps.get(name)
+    s = res["summary"]
+    out += [f"## {c.title}", "", f"Task: {c.task}. Seeds: {res['seeds']}. "
+            f"Wall time: {res['wall_s']:.0f} s. Paper: {c.paper}.", ""]
+    cols = ["start.accuracy", *c.metrics]
+    out.append("| arm | " + " | ".join(cols) + " |")
+    out.append("|---" * (len(cols) + 1) + "|")
+    for arm, ms in s["arms"].items():
+      out.append(f"| {arm} | " + " | ".join(_fmt(ms[m], m) for m in cols) + " |")
+    out.append("")
+    if s["claims"]:
+      out += ["| claim (paper) | difference [95% CI] | verdict |", "|---|---|---|"]
+      for cl in s["claims"]:
+        rel = ">" if cl["higher"] else "<"
+        out.append(f"| {cl['metric']}: {cl['first']} {rel} {cl['second']} ({cl['paper']}) | "
+                   f"{_fmt(cl['diff'], cl['metric'])} | {cl['verdict']} |")
+      out.append("")
+    if c.note:
+      out += [c.note, ""]
+  return "\n".join(out)
+
+
+def plot(name: str, res: dict, path: Path):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  import numpy as np
+  fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
+  for arm, rs in res["runs"].items():
+    for ax, key in zip(axes, ("reward", "entropy", "acceptance")):
+      n = min(len(r["curve"]) for r in rs)
+      x = [p["version"] for p in rs[0]["curve"][:n]]
+      y = np.mean([[p[key] for p in r["curve"][:n]] for r in rs], axis=0)
+      ax.plot(x, y, label=arm)
+      ax.set_title(key)
+      ax.set_xlabel("update")
+  axes[0].legend(fontsize=8)
+  fig.suptitle(f"{name} (mean over {res['seeds']} seeds)")
+  fig.tight_layout()
+  fig.savefig(path, dpi=90)
+  plt.close(fig)
+
+
+def _write(results: dict, path: Path, out: Path):
+  """results.json and results.md, every comparison's summary recomputed from its runs."""
+  for name, res in results["comparisons"].items():
+    res["summary"] = summarise(comps.get(name), res)
+  tmp = path.with_suffix(".tmp")
+  tmp.write_text(json.dumps(results, separators=(",", ":"), default=float))
+  tmp.replace(path)
+  (out / "results.md").write_text(markdown(results))
+
+
+def main(argv):
+  del argv
+  names = F.only or list(comps.COMPARISONS)
+  for n in names:
+    comps.get(n)  # unknown names fail before any work
+  if F.seeds < 2:
+    raise app.UsageError(f"--seeds={F.seeds}: intervals need at least 2 seeds")
+  out = Path(F.out)
+  out.mkdir(parents=True, exist_ok=True)
+  from experiments.replication import driver
+  driver.CACHE_DIR = str(out / "warm")
+  path = out / "results.json"
+  results = json.loads(path.read_text()) if path.exists() else {"comparisons": {}}
+  t_all = time.perf_counter()
+  for n in names:
+    c = comps.get(n)
+    old = results["comparisons"].get(n)
+    if (old and not F.rerun and old["seeds"] == F.seeds
+        and old["settings"] == settings_json(c)):
+      _say(f"[{n}] runs kept from {path} (--rerun to run again)")
+      continue
+    t0 = time.perf_counter()
+    same = old and not F.rerun and old["settings"] == settings_json(c)
+    res = run_comparison(c, F.seeds, old["runs"] if same else None)
+    res["wall_s"] = round(time.perf_counter() - t0 + (old["wall_s"] if same else 0.0), 1)
+    results["comparisons"][n] = res
+    results["machine"] = {"cpu_count": os.cpu_count(), "platform": sys.platform}
+    _write(results, path, out)  # after each comparison: an interrupt loses only the current one
+    if F.plots:
+      plot(n, res, out / f"{n}.png")
+    for cl in results["comparisons"][n]["summary"]["claims"]:
+      _say(f"[{n}] {cl['metric']}: {cl['first']} vs {cl['second']}: "
+           f"{_fmt(cl['diff'], cl['metric'])} -> {cl['verdict']}")
+    _say(f"[{n}] done in {res['wall_s']:.0f}s")
+  if results["comparisons"]:
+    _write(results, path, out)
+  print(json.dumps({"out": str(out), "comparisons": names,
+                    "wall_s": round(time.perf_counter() - t_all, 1)}))
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,105 @@
+"""`digits`: a small interactive task a tiny byte-level model can learn in minutes, used by
+the replication runner (`experiments/replication/`) to test the method's mechanisms on CPU.
+
+A task is a four-letter key and a secret digit d. The model answers with a turn whose first
+digit is its answer (letters before it are "filler"; the turn ends with the stop token).
+Reward 1 if that digit is d, else 0. An episode cut by the token limit earns 0, so filler that
+runs on makes a long failure.
+
+* `tool=False` (copy): the prompt shows the digit ("key: abcd 7"); the model must copy it.
+* `tool=True` (lookup): the prompt shows only the key. A turn that starts with "?" is a tool
+  call: the environment answers "= d" and the episode goes on (up to the agent's turn limit).
+  Without calling, the model can only guess (1 in 10).
+
+`demonstration` writes imperfect example episodes (random filler length, a chosen tool-call
+rate and rate of correct answers) for a supervised warm start, so that reinforcement learning
+starts from a model that knows the format but not the task, as it does from an instruct
+model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Optional
+
+from fr_jax.envs.base import Task, check_split, procedural_task
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+_DIGIT = re.compile(r"\d")
+TOOL_PREFIX = "?"
+
+
+def first_digit(text: str) -> Optional[int]:
+  m = _DIGIT.search(text)
+  return None if m is None else int(m.group(0))
+
+
+class DigitsEpisode:
+  """One episode: tool calls answered with the secret, the first non-call turn scored."""
+
+  def __init__(self, task: Task, tool: bool):
+    self.task, self.tool = task, tool
+    self.tool_calls = 0
+    self.answered: Optional[int] = None
+    self.done = False
+
+  def observe(self, action_text: str) -> tuple[str, bool]:
+    if self.tool and action_text.startswith(TOOL_PREFIX):
+      self.tool_calls += 1
+      return f"= {self.task.answer}", False
+    self.answered = first_digit(action_text)
+    self.done = True
+    return "", True
+
+  def reward(self) -> float:
+    return float(self.done and self.answered == self.task.answer)
+
+
+@dataclasses.dataclass
+class Digits:
+  tool: bool = False
+  seed: int = 0
+  train_size: int = 100_000
+  test_size: int = 200
+  name: str = "digits"
+  interactive: bool = True
+  system_prompt: str = ""
+
+  @property
+  def tools(self) -> tuple:
+    return ("lookup",) if self.tool else ()
+
+  def __post_init__(self):
+    self._test: list[Task] = []
+
+  def split_size(self, split: str) -> int:
+    check_split(split)
+    return self.train_size if split == "train" else self.test_size
+
+  def _draw(self, rng) -> Task:
+    key = "".join(_LETTERS[i] for i in rng.integers(0, 26, 4))
+    d = int(rng.integers(0, 10))
+    prompt = f"key: {key}" if self.tool else f"key: {key} {d}"
+    return Task(self.name, f"{self.name}:{int(self.tool)}:{key}:{d}", prompt, d, {"key": key})
+
+  def task(self, split: str, index: int) -> Task:
+    return procedural_task(self._draw, self.seed, split, index, self._test, self.test_size)
+
+  def reward(self, task: Task, final_text: str) -> float:
+    return float(first_digit(final_text) == task.answer)
+
+  def start(self, task: Task) -> DigitsEpisode:
+    return DigitsEpisode(task, self.tool)
+
+  def demonstration(self, task: Task, rng, *, tool_rate: float = 0.5,
+                    correct_rate: float = 0.3, max_filler: int = 12) -> list[str]:
+    """Model turns of one imperfect example episode (observations are the environment's).
+    Filler length is uniform in [0, max_filler]; with the tool, the call comes first."""
+    turns = []
+    if self.tool and rng.random() < tool_rate:
+      turns.append(TOOL_PREFIX)
+    filler = "".join(_LETTERS[i] for i in rng.integers(0, 26, int(rng.integers(0, max_filler + 1))))
+    d = task.answer if rng.random() < correct_rate else int(rng.integers(0, 10))
+    turns.append(f"{filler} {d}" if filler else str(d))
+    return turns

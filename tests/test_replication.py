@@ -1,0 +1,118 @@
+"""The replication runner's parts: the digits task, demonstrations rendered as the agent loop
+renders rollouts, exact policy lag, confidence intervals and verdicts, collapse detection."""
+
+import math
+
+import numpy as np
+import pytest
+
+from experiments.replication import comparisons as comps
+from experiments.replication import driver, stats
+from fr_jax import envs
+from fr_jax.envs.digits import Digits, first_digit
+from fr_jax.models.tokenizer import Tokenizer
+from fr_jax.rollout.agent import AgentLoop
+
+
+def test_mean_ci_matches_hand_computation():
+  ci = stats.mean_ci([1.0, 2.0, 3.0])
+  # mean 2, sample sd 1, t_{0.975,2} = 4.303 (tables): half-width 4.303 / sqrt(3).
+  assert ci["mean"] == pytest.approx(2.0)
+  assert ci["half"] == pytest.approx(4.303 / math.sqrt(3))
+  assert ci["lo"] == pytest.approx(2.0 - 4.303 / math.sqrt(3))
+  x = np.array([0.31, 0.42, 0.35, 0.50])
+  ci = stats.mean_ci(x)
+  assert ci["half"] == pytest.approx(3.182 * x.std(ddof=1) / 2.0)
+  assert stats.mean_ci([5.0])["half"] == 0.0
+  with pytest.raises(ValueError):
+    stats.paired([1.0], [1.0, 2.0])
+
+
+def test_verdicts():
+  d = stats.paired([0.5, 0.6, 0.55], [0.3, 0.35, 0.32])  # all +0.2ish: interval above 0
+  assert stats.verdict(d, expect_positive=True) == "reproduces"
+  assert stats.verdict(d, expect_positive=False) == "contradicts"
+  d = stats.paired([0.5, 0.2, 0.6], [0.3, 0.4, 0.5])  # mean +0.033, interval spans 0
+  assert stats.verdict(d, True) == "same direction, not significant"
+  assert stats.verdict(d, False) == "not reproduced (no effect)"
+
+
+def test_collapse_update():
+  flat = [dict(version=i + 1, reward=0.5) for i in range(20)]
+  assert comps.collapse_update(flat) == 21.0  # never: last version + 1
+  crash = [dict(version=i + 1, reward=0.6 if i < 10 else 0.0) for i in range(20)]
+  # The 5-update mean first drops below 0.3 when 3 of the 5 are zeros: versions 9..13 -> at 13.
+  assert comps.collapse_update(crash) == 13.0
+  assert comps.metric({"curve": crash}, "curve_last.reward") == 0.0
+  assert comps.metric({"curve": crash}, "curve_max.reward") == 0.6
+
+
+def test_digits_rewards_and_tool():
+  env = envs.make("digits", tool=True)
+  task = env.task("train", 3)
+  d = task.answer
+  assert str(d) not in task.prompt.split(":")[1]  # the secret is hidden with the tool
+  ep = env.start(task)
+  obs, done = ep.observe("? please")
+  assert (obs, done) == (f"= {d}", False) and ep.tool_calls == 1
+  obs, done = ep.observe(f"abc {d} {(d + 1) % 10}")  # the first digit is the answer
+  assert done and ep.reward() == 1.0
+  ep = env.start(task)
+  ep.observe(f"{(d + 1) % 10}")
+  assert ep.reward() == 0.0
+  assert env.start(task).reward() == 0.0  # never answered (e.g. cut by the token limit)
+  copy = Digits(tool=False)
+  t = copy.task("test", 0)
+  assert t.prompt.endswith(str(t.answer))
+  ep = copy.start(t)
+  assert ep.observe("?")[1]  # no tool: any turn is the answer
+  assert first_digit("xx") is None and first_digit("a7b3") == 7
+  train = {copy.task("train", i).task_id for i in range(300)}
+  assert not train & {copy.task("test", i).task_id for i in range(copy.test_size)}
+
+
+def test_demonstration_tokens_render_like_rollouts():
+  s = driver.Setting(tool=True, max_turns=3, max_new_tokens=8)
+  tok = Tokenizer.byte_level()
+  env = s.env()
+  loop = AgentLoop(None, tok, env, s.agent())
+  rng = np.random.default_rng(0)
+  end = tok.token_id("<|im_end|>")
+  saw_call = False
+  for i in range(20):
+    task = env.task("train", i)
+    ids, mask = driver.demo_tokens(s, loop, task, rng)
+    assert len(ids) == len(mask)
+    start = loop.start(task)
+    assert ids[:len(start.prompt_ids)] == start.prompt_ids and not any(mask[:len(start.prompt_ids)])
+    # Masked runs are model turns ending in <|im_end|>; they decode to the demo's text.
+    turns, cur = [], []
+    for t, m in zip(ids, mask):
+      if m:
+        cur.append(t)
+        if t == end:
+          turns.append(tok.decode(cur[:-1]))
+          cur = []
+    assert not cur
+    if turns[0] == "?":
+      saw_call = True
+      assert tok.encode(f"= {task.answer}", add_bos=False)[0] in ids  # the observation
+      assert len(turns) == 2
+    ans = first_digit(turns[-1])
+    assert ans is not None
+  assert saw_call
+
+
+def test_driver_samples_at_the_exact_lag():
+  s = driver.Setting(updates=5, batch_size=4, lag=2, eval_n=4, sft_steps=2, sft_batch=4,
+                     max_new_tokens=6, delta=float("inf"), copy_check=0.0)
+  r = driver.run(s, seed=0)
+  lags = [p["policy_lag"] for p in r["curve"]]
+  # Update t (0-based) learns from rollouts of version max(0, t - 2): lag = min(t, 2).
+  assert lags == [0.0, 1.0, 2.0, 2.0, 2.0]
+  assert [p["version"] for p in r["curve"]] == [1, 2, 3, 4, 5]
+  assert r["rollouts"] == 20 and r["prompts_covered"] == 20
+  g = driver.run(driver.Setting(updates=2, batch_size=4, group_size=2, minibatches=1,
+                                loss="grpo", eval_n=4, sft_steps=2, sft_batch=4,
+                                max_new_tokens=6, copy_check=0.0), seed=0)
+  assert g["rollouts"] == 8 and g["prompts_covered"] == 4  # 2 prompts x G=2 per update

@@ -2,6 +2,8 @@
 renders rollouts, exact policy lag, confidence intervals and verdicts, collapse detection."""
 
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -116,3 +118,13 @@ def test_driver_samples_at_the_exact_lag():
                                 loss="grpo", eval_n=4, sft_steps=2, sft_batch=4,
                                 max_new_tokens=6, copy_check=0.0), seed=0)
   assert g["rollouts"] == 8 and g["prompts_covered"] == 4  # 2 prompts x G=2 per update
+
+
+def test_runner_rejects_bad_flags_with_a_clear_message(tmp_path):
+  for args, msg in ((["--only=nope"], "unknown comparison 'nope'"),
+                    (["--only=fast", "--seeds=1"], "--seeds=1")):
+    out = subprocess.run([sys.executable, "-m", "experiments.replication.run", *args,
+                          f"--out={tmp_path}"], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and msg in out.stderr, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+  assert not (tmp_path / "results.json").exists()  # nothing was run or written

@@ -51,7 +51,8 @@ def load_model(seed: int, width: int):
     return m
   cfg = m.config.replace(hidden_size=width, intermediate_size=2 * width,
                          head_dim=width // m.config.num_heads)
-  return dataclasses.replace(m, config=cfg, params=decoder.init_params(cfg, jax.random.key(seed)))
+  return dataclasses.replace(m, config=cfg,
+                             params=decoder.init_params(cfg, jax.random.key(seed)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,7 +205,7 @@ def _warm_start(setting: Setting, seed: int):
       p, s, _ = sft_step(p, s, inputs[sl], targets[sl], tmask[sl], pos[sl])
       k += 1
     if setting.copy_check <= 0 or k >= setting.sft_max_steps:
-      break
+      break  # (info keeps the last check's skill)
     # Copying a digit from the context is learned suddenly, after a seed-dependent number of
     # steps; a warm start that has not got there would make its seed a different experiment.
     skill = copy_skill(cfg, p, tok, copy)
@@ -307,6 +308,6 @@ def run(s: Setting, seed: int, *, log: Optional[Callable[[str], None]] = None) -
   train_s = time.perf_counter() - t_train
   end = _eval(s, cfg, learner.params, tok)
   learner.close()
-  return dict(seed=seed, warm_start=warm, start=start, end=end, curve=curve, prompts_covered=len(covered),
-              rollouts=rollouts, train_wall_s=round(train_s, 2),
+  return dict(seed=seed, warm_start=warm, start=start, end=end, curve=curve,
+              prompts_covered=len(covered), rollouts=rollouts, train_wall_s=round(train_s, 2),
               wall_s=round(time.perf_counter() - t0, 2))

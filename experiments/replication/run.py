@@ -150,8 +150,11 @@ def _write(results: dict, path: Path, out: Path):
 def main(argv):
   del argv
   names = F.only or list(comps.COMPARISONS)
-  for n in names:
-    comps.get(n)  # unknown names fail before any work
+  for n in names:  # unknown names fail before any work
+    try:
+      comps.get(n)
+    except KeyError as e:
+      raise app.UsageError(e.args[0]) from None
   if F.seeds < 2:
     raise app.UsageError(f"--seeds={F.seeds}: intervals need at least 2 seeds")
   out = Path(F.out)

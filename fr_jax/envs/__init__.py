@@ -9,7 +9,8 @@ def make(name: str, **kwargs):
   from fr_jax.envs.arithmetic import Arithmetic, Countdown
   from fr_jax.envs.digits import Digits
   from fr_jax.envs.textworld import TextWorld
-  envs = {"arithmetic": Arithmetic, "countdown": Countdown, "textworld": TextWorld, "digits": Digits}
+  envs = {"arithmetic": Arithmetic, "countdown": Countdown, "textworld": TextWorld,
+          "digits": Digits}
   if name not in envs:
     raise ValueError(f"unknown env {name!r}; choose one of {sorted(envs)}")
   return envs[name](**kwargs)

@@ -11,10 +11,10 @@ runs on makes a long failure.
   call: the environment answers "= d" and the episode goes on (up to the agent's turn limit).
   Without calling, the model can only guess (1 in 10).
 
-`demonstration` writes imperfect example episodes (random filler length, a chosen tool-call
-rate and rate of correct answers) for a supervised warm start, so that reinforcement learning
-starts from a model that knows the format but not the task, as it does from an instruct
-model.
+`demonstration` writes example episodes for a supervised warm start (random filler length,
+some too long to finish within the limit; a chosen tool-call rate and rate of correct
+answers), so that reinforcement learning starts from a model that knows the format and has
+habits to change (length, tool use), as it does from an instruct model.
 """
 
 from __future__ import annotations

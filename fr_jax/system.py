@@ -75,11 +75,15 @@ def build_engine(c: ml_collections.ConfigDict, model, params=None, version: int 
                         max_len=c.agent.max_total_tokens + 1, version=version)
 
 
-def build_worker(c: ml_collections.ConfigDict, client, model, *, index: int, num_shards: int,
-                 worker_id: Optional[str] = None, params=None, version: int = 0) -> Worker:
+def require_tokenizer(c: ml_collections.ConfigDict, model) -> None:
   if model.tokenizer is None:
     raise rcfg.ConfigError(f"model {c.model.name!r} has no tokenizer; rollouts need one "
                            "(use tiny-chat for tiny runs)")
+
+
+def build_worker(c: ml_collections.ConfigDict, client, model, *, index: int, num_shards: int,
+                 worker_id: Optional[str] = None, params=None, version: int = 0) -> Worker:
+  require_tokenizer(c, model)
   env = envs.make(c.env.name, **c.env.kwargs.to_dict())
   engine = build_engine(c, model, params, version)
   return Worker(client, engine, model.tokenizer, env, agent_config(c),
@@ -136,9 +140,8 @@ def train_in_process(c: ml_collections.ConfigDict, *, model=None,
   Setting `stop` ends the run after the current update, with a checkpoint. `final`, if
   given, receives the last published (version, params)."""
   model = model or load_model(c)
-  if model.tokenizer is None and c.rollout.engine == "embedded":
-    raise rcfg.ConfigError(f"model {c.model.name!r} has no tokenizer; rollouts need one "
-                           "(use tiny-chat for tiny runs)")
+  if c.rollout.engine == "embedded":  # fail here, not in every worker thread
+    require_tokenizer(c, model)
   learner, service = build_service(c, model)
   learner_stop = stop or threading.Event()
   stop = threading.Event()  # the workers'

@@ -30,7 +30,8 @@ class Task:
 
 
 class Episode(Protocol):
-  """An interactive episode: the model acts, the environment answers."""
+  """An interactive episode: the model acts, the environment answers. An episode that offers
+  tools may also keep a `tool_calls` count, which the agent loop records."""
 
   def observe(self, action_text: str) -> tuple[str, bool]:
     """(observation text, done) after the model's action."""

@@ -130,9 +130,13 @@ class AdmissionLog:
     self._lock = threading.Lock()
     self._f = open(self.path, "ab")
 
+  @staticmethod
+  def _frame(raw: bytes) -> bytes:
+    return struct.pack("<I", len(raw)) + raw
+
   def append(self, raw: bytes) -> None:
     with self._lock:
-      self._f.write(struct.pack("<I", len(raw)) + raw)
+      self._f.write(self._frame(raw))
       self._f.flush()
 
   def rewrite(self, raws) -> None:
@@ -141,7 +145,7 @@ class AdmissionLog:
       tmp = self.path.with_suffix(".tmp")
       with open(tmp, "wb") as f:
         for raw in raws:
-          f.write(struct.pack("<I", len(raw)) + raw)
+          f.write(self._frame(raw))
       os.replace(tmp, self.path)
       self._f = open(self.path, "ab")
 
@@ -260,10 +264,11 @@ class LearnerService:
       dup = traj.traj_id in self._seen or traj.traj_id in self.used
     if dup:
       return self._reject("duplicate", traj.traj_id)
-    if self.max_lag >= 0 and self.lag(traj) > self.max_lag:
-      return self._reject("stale", traj.traj_id, f"lag {self.lag(traj)}")
-    if self.lag(traj) < 0:  # sampled by weights this learner no longer has (it restarted)
-      return self._reject("future_version", traj.traj_id, f"lag {self.lag(traj)}")
+    lag = self.lag(traj)
+    if self.max_lag >= 0 and lag > self.max_lag:
+      return self._reject("stale", traj.traj_id, f"lag {lag}")
+    if lag < 0:  # sampled by weights this learner no longer has (it restarted)
+      return self._reject("future_version", traj.traj_id, f"lag {lag}")
     if self.shutdown.is_set():
       return self._reject("shutdown", traj.traj_id)
     with self._lock:
@@ -284,7 +289,6 @@ class LearnerService:
   def heartbeat(self, worker_id: str, stats: dict) -> dict:
     with self._lock:
       self.workers[worker_id] = dict(stats, last_seen=time.time())
-    with self._lock:
       published = self._published[0]
     return dict(version=published, queue_depth=len(self.queue),
                 queue_capacity=self.queue.capacity, inflight_target=self.inflight,
@@ -301,8 +305,9 @@ class LearnerService:
       t = self.queue.pop(timeout=0.1)
       if t is None:
         continue
-      if self.max_lag >= 0 and self.lag(t) > self.max_lag:
-        self._reject("stale", t.traj_id, f"lag {self.lag(t)} at take")
+      lag = self.lag(t)
+      if self.max_lag >= 0 and lag > self.max_lag:
+        self._reject("stale", t.traj_id, f"lag {lag} at take")
         continue
       batch.append(t)
     return batch

@@ -27,9 +27,13 @@ def _np_dtype(name: str) -> np.dtype:
   return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
 
 
+def _dtype_name(a: np.ndarray) -> str:
+  return "bfloat16" if a.dtype == ml_dtypes.bfloat16 else a.dtype.name
+
+
 def to_tensor(a) -> pb.Tensor:
   a = np.asarray(a)
-  name = "bfloat16" if a.dtype == ml_dtypes.bfloat16 else a.dtype.name
+  name = _dtype_name(a)
   if name not in DTYPES:
     raise ValueError(f"cannot send dtype {a.dtype}")
   le = a.astype(a.dtype.newbyteorder("<"), copy=False) if a.dtype.byteorder == ">" else a
@@ -101,7 +105,7 @@ def weight_chunks(version: int, flat: dict[str, np.ndarray], hf_dir: str = "",
   first = True
   for name, a in flat.items():
     a = np.ascontiguousarray(a)
-    dname = "bfloat16" if a.dtype == ml_dtypes.bfloat16 else a.dtype.name
+    dname = _dtype_name(a)
     data = memoryview(a.reshape(-1).view(np.uint8))
     total = len(data)
     for off in range(0, max(total, 1), chunk_bytes):

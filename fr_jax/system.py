@@ -22,6 +22,7 @@ from fr_jax.learner.service import InflightController, LearnerService
 from fr_jax.models import registry
 from fr_jax.rollout.agent import AgentConfig
 from fr_jax.rollout.worker import Worker
+from fr_jax.transport import codec
 
 log = logging.getLogger("fr_jax.system")
 
@@ -33,28 +34,30 @@ def load_model(c: ml_collections.ConfigDict) -> registry.LoadedModel:
 
 def build_service(c: ml_collections.ConfigDict, model=None, *, resume: bool = True,
                   admission_log: bool = False):
-  """(learner, service), restored from the latest checkpoint in run_dir if there is one.
-  With `admission_log` (separate worker processes), admitted records are logged to
-  run_dir/admission.log and those no checkpointed update used are queued again on restart."""
+  """(learner, service), restored from the latest committed checkpoint in run_dir if there
+  is one. With `admission_log` (separate worker processes), admitted records are logged to
+  run_dir/admission.log before they are acknowledged, and those the restored checkpoint still
+  owes are queued again. Dead letters go to run_dir/dead_letter.jsonl."""
   c = rcfg.resolve_dirs(rcfg.validate(c))
   learner = Learner(c, model=model)
   s = c.service
   controller = (InflightController(c.rollout.inflight, target_rejection=s.target_rejection,
                                    max_lag=s.lag_bound) if s.adaptive_inflight else None)
-  export = str(Path(c.run_dir) / "exports") if (s.export_hf and c.run_dir) else ""
-  service = LearnerService(learner, queue_capacity=s.queue_capacity,
-                           max_lag=c.max_policy_lag, publish_every=s.publish_every,
-                           hf_export_dir=export, inflight=0, controller=controller,
-                           max_length=c.agent.max_total_tokens,
-                           admission_log=(str(Path(c.run_dir) / "admission.log")
-                                          if admission_log and c.run_dir else ""))
+  run = Path(c.run_dir) if c.run_dir else None
+  export = str(run / "exports") if (s.export_hf and run) else ""
+  service = LearnerService(
+      learner, queue_capacity=s.queue_capacity, max_lag=c.max_policy_lag,
+      publish_every=s.publish_every, hf_export_dir=export, inflight=0, controller=controller,
+      max_length=c.agent.max_total_tokens,
+      admission_log=str(run / "admission.log") if (admission_log and run) else "",
+      dead_letter=str(run / "dead_letter.jsonl") if run else "", log_fsync=s.log_fsync,
+      max_producers=s.max_producers, worker_timeout_s=s.worker_timeout_s,
+      encode=codec.encode_record, decode=codec.decode_record)
   if resume:
     meta = service.restore()
     if meta is not None:
       log.info("resumed at version %d (%d trajectories already used)", service.version,
-               len(service.used))
-    from fr_jax.transport.server import decode_record
-    service.replay_log(decode_record)
+               service.used)
   return learner, service
 
 

@@ -9,8 +9,14 @@ interleaved). Per completion token it carries:
 * `policy_version`: the policy version that produced the token (it may change mid-trajectory
   when a weight update lands between turns).
 
-`validate()` runs once, where a record enters the learner, and refuses a malformed record
-with a named reason (`TrajectoryError.reason`, one of `REASONS`), never a bare assert.
+`validate()` refuses a malformed record with a named reason (`TrajectoryError.reason`, one of
+`REASONS`), never a bare assert. Besides the shape of the record it checks what the learner can
+digest: token ids inside the model's vocabulary, a reward that is finite in float32, behaviour
+log-probs above a floor (so exp(log pi - log mu) stays finite), and bounded string fields.
+
+A record's id is `producer/seq`: the producer (a worker and its start nonce) numbers its records
+0, 1, 2, ... and sends them in that order. `record_key` splits an id; the learner keeps one
+watermark per producer instead of every id it has seen.
 """
 
 from __future__ import annotations
@@ -22,6 +28,11 @@ from typing import Optional
 import numpy as np
 
 FINISH_REASONS = ("stop", "length", "abort")
+F32_MAX = float(np.finfo(np.float32).max)
+# A sampled token never has log-prob below about -31 under float32 Gumbel-max sampling over a
+# 150k vocabulary; -50 leaves margin and keeps rho = exp(log pi - log mu) <= e^50, finite.
+LOGP_FLOOR = -50.0
+MAX_STRING_BYTES = 1024  # prompt_id, traj_id, env
 
 REASONS = (
     "bad_field",  # wrong type/rank/dtype, unknown finish reason, negative id, empty prompt
@@ -32,7 +43,16 @@ REASONS = (
     "nonzero_logp_off_action",  # a non-action token carries a nonzero behaviour log-prob
     "nonfinite_reward",
     "too_long",  # prompt + completion longer than the configured maximum
+    "token_out_of_vocab",  # a token id >= the model's vocabulary size
+    "reward_out_of_range",  # finite as a float64 but not as a float32
+    "behavior_logp_below_floor",  # an action's behaviour log-prob below LOGP_FLOOR
+    "field_too_long",  # a string field longer than MAX_STRING_BYTES
 )
+
+
+# Admission answers that are not answers: nothing was recorded, the sender tries again later
+# (a full queue; an admission log that cannot be written, e.g. a full disk).
+RETRY_REASONS = ("queue_full", "log_unavailable")
 
 
 class TrajectoryError(ValueError):
@@ -59,7 +79,7 @@ class Trajectory:
   num_tool_calls: int = 0
   num_turns: int = 1
   env: str = ""
-  traj_id: str = ""  # unique id for logs; filled from prompt_id when empty
+  traj_id: str = ""  # "producer/seq" (see record_key); filled from prompt_id when empty
 
   def __post_init__(self):
     self.prompt_tokens = np.asarray(self.prompt_tokens)
@@ -70,8 +90,9 @@ class Trajectory:
     if pv.ndim == 0:  # one version for the whole trajectory
       pv = np.full(self.completion_tokens.shape, int(pv), np.int32)
     self.policy_version = pv
+    self.prompt_id = str(self.prompt_id)
     if not self.traj_id:
-      self.traj_id = str(self.prompt_id)
+      self.traj_id = self.prompt_id
 
   @property
   def length(self) -> int:
@@ -99,13 +120,34 @@ class Trajectory:
 
 
 def _fail(reason, traj, message):
-  raise TrajectoryError(reason, f"trajectory {traj.traj_id!r}: {message}")
+  name = traj.traj_id if len(traj.traj_id) <= 80 else traj.traj_id[:80] + "..."
+  raise TrajectoryError(reason, f"trajectory {name!r}: {message}")
 
 
-def validate(traj: Trajectory, *, max_length: Optional[int] = None) -> Trajectory:
-  """Checks a record; returns it unchanged or raises `TrajectoryError` with a named reason."""
+def record_key(traj_id: str) -> tuple[str, int]:
+  """`producer/seq` -> (producer, seq). An id without a numeric last part is a producer of
+  its own with seq 0."""
+  head, sep, tail = traj_id.rpartition("/")
+  if sep and tail.isascii() and tail.isdigit() and len(tail) <= 18:
+    return head, int(tail)
+  return traj_id, 0
+
+
+def validate(traj: Trajectory, *, max_length: Optional[int] = None,
+             vocab_size: Optional[int] = None, logp_floor: float = LOGP_FLOOR,
+             max_abs_reward: float = F32_MAX) -> Trajectory:
+  """Checks a record; returns it unchanged or raises `TrajectoryError` with a named reason.
+  `vocab_size` (the model's) bounds token ids; `logp_floor` bounds behaviour log-probs of
+  actions from below; |reward| must not exceed `max_abs_reward`."""
   if not isinstance(traj, Trajectory):
     raise TrajectoryError("bad_field", f"expected a Trajectory, got {type(traj).__name__}")
+  for name in ("prompt_id", "traj_id", "env"):
+    v = getattr(traj, name)
+    if not isinstance(v, str):
+      _fail("bad_field", traj, f"{name} must be a string, got {type(v).__name__}")
+    n = len(v.encode("utf-8", "surrogatepass"))
+    if n > MAX_STRING_BYTES:
+      _fail("field_too_long", traj, f"{name} is {n} bytes; the limit is {MAX_STRING_BYTES}")
   arrays = {
       "prompt_tokens": traj.prompt_tokens, "completion_tokens": traj.completion_tokens,
       "action_mask": traj.action_mask, "behavior_logp": traj.behavior_logp,
@@ -126,9 +168,14 @@ def validate(traj: Trajectory, *, max_length: Optional[int] = None) -> Trajector
           f"finish_reason={traj.finish_reason!r}; expected one of {FINISH_REASONS}")
   if traj.prompt_tokens.size == 0:
     _fail("bad_field", traj, "prompt_tokens is empty; the first action needs a context token")
-  for name in ("prompt_tokens", "completion_tokens"):
+  for name in ("prompt_tokens", "completion_tokens", "policy_version"):
     if arrays[name].size and arrays[name].min() < 0:
-      _fail("bad_field", traj, f"{name} holds a negative token id {arrays[name].min()}")
+      _fail("bad_field", traj, f"{name} holds a negative value {arrays[name].min()}")
+  if vocab_size is not None:
+    for name in ("prompt_tokens", "completion_tokens"):
+      if arrays[name].size and arrays[name].max() >= vocab_size:
+        _fail("token_out_of_vocab", traj, f"{name} holds token id {arrays[name].max()}; "
+              f"the model's vocabulary has {vocab_size}")
 
   C = traj.completion_tokens.shape[0]
   for name in ("action_mask", "behavior_logp", "policy_version"):
@@ -154,6 +201,11 @@ def validate(traj: Trajectory, *, max_length: Optional[int] = None) -> Trajector
     i = int(np.argmax(pos))
     _fail("positive_behavior_logp", traj,
           f"behavior_logp[{i}] = {blogp[i]} > 0; log-probs must be <= 0")
+  low = mask & (blogp < logp_floor)
+  if low.any():
+    i = int(np.argmax(low))
+    _fail("behavior_logp_below_floor", traj,
+          f"behavior_logp[{i}] = {blogp[i]} < {logp_floor}; no sampler draws such a token")
   off = ~mask & (blogp != 0)
   if off.any():
     i = int(np.argmax(off))
@@ -166,13 +218,16 @@ def validate(traj: Trajectory, *, max_length: Optional[int] = None) -> Trajector
     _fail("nonfinite_reward", traj, f"reward {traj.reward!r} is not a number")
   if not math.isfinite(reward):
     _fail("nonfinite_reward", traj, f"reward = {reward}")
+  if abs(reward) > max_abs_reward:
+    _fail("reward_out_of_range", traj, f"reward = {reward:g}; |reward| must be <= "
+          f"{max_abs_reward:g} (float32 arithmetic in the update)")
   return traj
 
 
-def rejection_reason(traj: Trajectory, *, max_length: Optional[int] = None) -> Optional[str]:
-  """The reason `validate` would refuse `traj`, or None if it is accepted."""
+def rejection_reason(traj: Trajectory, **limits) -> Optional[str]:
+  """The reason `validate(traj, **limits)` would refuse `traj`, or None if it is accepted."""
   try:
-    validate(traj, max_length=max_length)
+    validate(traj, **limits)
   except TrajectoryError as e:
     return e.reason
   return None

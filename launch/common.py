@@ -1,4 +1,7 @@
-"""Shared launch plumbing: the --config flag, one-line failures, logging."""
+"""Shared launch plumbing: the --config flag, one-line failures, logging.
+
+Only errors born in flag or config parsing become one line (`error: ...`, exit status 2);
+anything raised while a run runs keeps its traceback."""
 
 from __future__ import annotations
 
@@ -22,7 +25,12 @@ class UsageError(Exception):
 def load_config():
   """The validated config with --run_dir applied; exits with one line on a config error."""
   from fr_jax import config as rcfg
-  c = CONFIG.value
+  try:
+    c = CONFIG.value
+    if c is not None:
+      c.keys()  # a config file that failed to load raises here
+  except OSError as e:  # how ml_collections reports a config file it could not load
+    fail("--config: " + " ".join(line.strip() for line in str(e).splitlines()))
   if c is None:
     fail("--config is required")
   if flags.FLAGS.run_dir is not None:
@@ -42,16 +50,22 @@ def load_model(c):
     fail(f"model {c.model.name!r}: {e}")
 
 
-def run(main):
-  """app.run, with config-override errors (an unknown --config.field, a bad value) printed as
-  one line instead of a traceback."""
-  from absl import app
+def parse_flags(argv):
+  """absl's flag parsing, with any error in it (an unknown flag, a bad value, an unknown
+  --config.field) printed as one line with exit status 2."""
   try:
-    app.run(main)
-  except (AttributeError, KeyError, TypeError, ValueError) as e:
-    if "config" not in " ".join(sys.argv):
-      raise
-    fail(f"bad --config override: {e}")
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    fail(str(e))
+  except Exception as e:  # noqa: BLE001 - raised while parsing a --config override
+    fail(f"bad --config override: {type(e).__name__}: {e}")
+
+
+def run(main):
+  """app.run with one-line flag and config errors; a failure inside `main` keeps its
+  traceback."""
+  from absl import app
+  app.run(main, flags_parser=parse_flags)
 
 
 def fail(message: str):

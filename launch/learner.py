@@ -2,8 +2,10 @@ r"""The learner as its own process: serves gRPC to rollout workers (`launch/work
 
   python -m launch.learner --config=experiments/configs/tiny_test.py --run_dir=/tmp/run \
       --port_file=/tmp/run/port
-  # across hosts: bind beyond loopback with a shared token (or TLS)
+  # across hosts: bind beyond loopback with a shared token, or mutual TLS
   python -m launch.learner --config=... --address=0.0.0.0:50051 --auth_token=$TOKEN
+  python -m launch.learner --config=... --address=0.0.0.0:50051 --tls_cert=server.pem \
+      --tls_key=server.key --tls_client_ca=ca.pem
   # a multi-host learner mesh: one process per host
   python -m launch.learner --config=... --coordinator_address=host0:1234 \
       --num_processes=4 --process_id=$I
@@ -24,11 +26,13 @@ from absl import flags
 from launch import common
 
 flags.DEFINE_string("address", None, "gRPC bind address (default: config.service.address, "
-                    "loopback); non-loopback needs --auth_token or --tls_cert/--tls_key")
+                    "loopback); non-loopback needs --auth_token or mutual TLS")
 flags.DEFINE_string("auth_token", os.environ.get("FR_JAX_TOKEN", ""),
                     "shared token workers must present (default $FR_JAX_TOKEN)")
 flags.DEFINE_string("tls_cert", "", "PEM certificate for TLS")
 flags.DEFINE_string("tls_key", "", "PEM private key for TLS")
+flags.DEFINE_string("tls_client_ca", "", "PEM CA: require client certificates it signed "
+                    "(mutual TLS)")
 flags.DEFINE_string("port_file", "", "write the bound port here once serving")
 flags.DEFINE_float("linger_s", 3.0, "after the last update, keep serving this long so "
                    "workers hear the shutdown")
@@ -46,18 +50,18 @@ def main(argv):
     import jax
     jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes,
                                FLAGS.process_id)
-  if bool(FLAGS.tls_cert) != bool(FLAGS.tls_key):
-    common.fail("--tls_cert and --tls_key go together")
-  from fr_jax import system
   from fr_jax.transport import server as srv
   address = FLAGS.address or c.service.address
-  if not srv.is_loopback(address) and not (FLAGS.auth_token or FLAGS.tls_cert):
-    common.fail(f"--address={address} is beyond loopback: give --auth_token or "
-                "--tls_cert/--tls_key")
+  tls = dict(tls_cert=FLAGS.tls_cert, tls_key=FLAGS.tls_key, tls_client_ca=FLAGS.tls_client_ca)
+  try:  # every flag problem now, before the model loads
+    srv.check_credentials(address, token=FLAGS.auth_token, **tls)
+  except srv.BindError as e:
+    common.fail(str(e))
+  from fr_jax import system
   model = common.load_model(c)
   learner, service = system.build_service(c, model, admission_log=True)
   server, port = srv.serve(service, address, token=FLAGS.auth_token,
-                           tls_cert=FLAGS.tls_cert, tls_key=FLAGS.tls_key)
+                           max_streams=c.service.max_streams, **tls)
   if FLAGS.port_file:
     tmp = FLAGS.port_file + ".tmp"
     with open(tmp, "w") as f:

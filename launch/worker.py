@@ -8,7 +8,9 @@ r"""A rollout worker process: streams trajectories to a learner (`launch/learner
 
 It takes prompt shard `worker_index` of `num_workers`, fetches the learner's current weights,
 and runs until the learner says the run is over. While the learner is unreachable (a
-restart), it retries with backoff and keeps its finished trajectories.
+restart), it retries with backoff and keeps its finished trajectories. `--ack_ledger=FILE`
+appends one line per acknowledged record (`traj_id admitted|reason`), written before the
+next ack is read, so an audit survives even SIGKILL (the chaos run uses it).
 """
 
 import os
@@ -23,6 +25,9 @@ from launch import common
 flags.DEFINE_string("learner", "127.0.0.1:50051", "learner gRPC address host:port")
 flags.DEFINE_string("auth_token", os.environ.get("FR_JAX_TOKEN", ""), "shared token")
 flags.DEFINE_string("tls_ca", "", "PEM CA certificate: connect with TLS")
+flags.DEFINE_string("tls_cert", "", "PEM client certificate (mutual TLS)")
+flags.DEFINE_string("tls_key", "", "PEM client key (mutual TLS)")
+flags.DEFINE_string("ack_ledger", "", "append each acknowledgement to this file")
 flags.DEFINE_integer("worker_index", 0, "this worker's prompt shard")
 flags.DEFINE_integer("num_workers", 1, "number of prompt shards (workers)")
 flags.DEFINE_string("worker_id", "", "name in the learner's stats (default worker-<index>)")
@@ -36,13 +41,27 @@ def main(argv):
   if not 0 <= FLAGS.worker_index < FLAGS.num_workers:
     common.fail(f"--worker_index={FLAGS.worker_index} must be in [0, --num_workers="
                 f"{FLAGS.num_workers})")
+  if bool(FLAGS.tls_cert) != bool(FLAGS.tls_key) or (FLAGS.tls_cert and not FLAGS.tls_ca):
+    common.fail("--tls_cert and --tls_key go together, with --tls_ca")
+  for flag in ("tls_ca", "tls_cert", "tls_key"):
+    path = FLAGS[flag].value
+    if path and not os.access(path, os.R_OK):
+      common.fail(f"--{flag} {path}: not a readable file")
   c = common.load_config()
   model = common.load_model(c)
   from fr_jax import system
   from fr_jax.transport.client import GrpcClient
   wid = FLAGS.worker_id or f"worker-{FLAGS.worker_index}"
+  on_ack = None
+  if FLAGS.ack_ledger:
+    ledger = os.open(FLAGS.ack_ledger, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def on_ack(traj_id, admitted, reason):
+      os.write(ledger, f"{traj_id} {'admitted' if admitted else reason}\n".encode())
+
   client = GrpcClient(FLAGS.learner, worker_id=wid, token=FLAGS.auth_token,
-                      tls_ca=FLAGS.tls_ca)
+                      tls_ca=FLAGS.tls_ca, tls_cert=FLAGS.tls_cert, tls_key=FLAGS.tls_key,
+                      on_ack=on_ack)
   stop = threading.Event()
   for sig in (signal.SIGTERM, signal.SIGINT):
     signal.signal(sig, lambda *_: stop.set())

@@ -137,20 +137,26 @@ def test_compile_count_over_50_ragged_steps_is_at_most_the_buckets():
   assert learner.compile_count >= 2  # the raggedness did reach several buckets
 
 
-def test_non_finite_batch_is_skipped_and_state_unchanged():
-  learner = Learner(tiny_config(**{"objective.trust": "none"}))
+def test_non_finite_batch_is_skipped_and_state_unchanged(tmp_path):
+  learner = Learner(tiny_config(**{"objective.trust": "none", "log.dir": str(tmp_path)}))
   good, bad = batches(2)
   learner.update(good)
   before = jax.tree.map(jnp.copy, learner.state)
-  t = bad[0]
-  i = int(np.flatnonzero(t.action_mask)[0])
-  t.behavior_logp[i] = -1e30  # finite and <= 0, so valid; rho = exp(+huge) = inf
+  bad[2].reward = 3e38  # finite in float32, so valid; A_i * grad overflows
   m = learner.update(bad)
   assert m["finite"] is False and m["skipped_total"] == 1
   assert m["skipped_traj_ids"] == [x.traj_id for x in bad]
   assert learner.version == 1
   assert max_diff(before.params, learner.state.params) == 0.0
   assert max_diff(before.opt_state, learner.state.opt_state) == 0.0
+  rows = read_jsonl(tmp_path / "metrics.jsonl")  # no update row for the skipped step
+  assert [r["step"] for r in rows if "loss" in r] == [1]
+  assert [r["step"] for r in rows if "skipped/loss" in r] == [1]
+  # Group testing names the offender without touching the state.
+  assert learner.find_offenders(bad) == [2]
+  bad[5].reward = -3e38
+  assert learner.find_offenders(bad) == [2, 5]
+  assert learner.version == 1 and max_diff(before.params, learner.state.params) == 0.0
   m = learner.update(batches(1, seed=9)[0])  # and training continues
   assert m["finite"] and learner.version == 2
 

@@ -5,7 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from fr_jax.trajectory import REASONS, Trajectory, TrajectoryError, rejection_reason, validate
+from fr_jax.trajectory import (LOGP_FLOOR, MAX_STRING_BYTES, REASONS, Trajectory,
+                               TrajectoryError, record_key, rejection_reason, validate)
 
 
 def good(**over):
@@ -53,6 +54,11 @@ CASES = {
     "nonzero_logp_off_action": dict(behavior_logp=np.array([-0.5, -1.0, -0.3, 0, -0.1],
                                                            np.float32)),
     "bad_field": dict(finish_reason="timeout"),
+    # float32 max is 3.4028235e38: 4e38 is finite as a Python float, not as a float32.
+    "reward_out_of_range": dict(reward=4e38),
+    "behavior_logp_below_floor": dict(behavior_logp=np.array([-0.5, -50.5, 0, 0, -0.1],
+                                                             np.float32)),
+    "field_too_long": dict(env="e" * (MAX_STRING_BYTES + 1)),
 }
 
 
@@ -85,8 +91,34 @@ def test_bad_fields(over):
   assert reason in ("bad_field", "nonfinite_reward")
 
 
+def test_limits_against_the_model():
+  t = good()  # largest token id 51, lowest action log-prob -1.0, reward 1.0
+  assert rejection_reason(t, vocab_size=52) is None
+  assert rejection_reason(t, vocab_size=51) == "token_out_of_vocab"
+  with pytest.raises(TrajectoryError, match="token id 51; the model's vocabulary has 51"):
+    validate(t, vocab_size=51)
+  assert rejection_reason(t, logp_floor=-1.0) is None  # the floor is inclusive
+  assert rejection_reason(t, logp_floor=-0.99) == "behavior_logp_below_floor"
+  assert rejection_reason(t, max_abs_reward=1.0) is None
+  assert rejection_reason(good(reward=-1.5), max_abs_reward=1.0) == "reward_out_of_range"
+  assert LOGP_FLOOR == -50.0 and rejection_reason(good(reward=3.4e38)) is None
+  assert rejection_reason(good(prompt_id="p" * MAX_STRING_BYTES)) is None
+  # bytes, not characters: 512 two-byte characters are 1,024 bytes, 513 are too many
+  assert rejection_reason(good(env="\u00e9" * 512)) is None
+  assert rejection_reason(good(env="\u00e9" * 513)) == "field_too_long"
+  assert rejection_reason(good(policy_version=-1)) == "bad_field"
+
+
+def test_record_key_splits_producer_and_sequence():
+  assert record_key("worker-3/ab12cd34/17") == ("worker-3/ab12cd34", 17)
+  assert record_key("t3") == ("t3", 0)  # no sequence part: a producer of its own
+  assert record_key("a/b") == ("a/b", 0)
+  assert record_key("a/\u00b2") == ("a/\u00b2", 0)  # a unicode digit is not a sequence number
+  assert record_key("a/" + "9" * 19) == ("a/" + "9" * 19, 0)  # nor are 19 digits
+
+
 def test_all_reasons_are_covered():
-  assert set(CASES) | {"too_long"} == set(REASONS)
+  assert set(CASES) | {"too_long", "token_out_of_vocab"} == set(REASONS)
 
 
 def test_nan_reward_and_non_trajectory():

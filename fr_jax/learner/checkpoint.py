@@ -5,6 +5,11 @@ count) and a JSON record with the run config, the prompt/trajectory iterator's s
 `get_state()`), and anything else the caller adds. `restore()` returns both, with arrays
 placed on the shardings of a template state, so a restart continues exactly where the run
 stopped.
+
+`latest_step()` includes an asynchronous save still being written; `committed_step()` does
+not. Anything that may only happen once a step is safely on disk (compacting the admission
+log) asks the latter: a crash during the write leaves only Orbax's temporary folder, and a
+restart comes back from the step before.
 """
 
 from __future__ import annotations
@@ -28,7 +33,14 @@ class Checkpointer:
     self.manager = ocp.CheckpointManager(self.dir, options=options)
 
   def latest_step(self) -> Optional[int]:
+    """The newest step saved or being saved."""
     return self.manager.latest_step()
+
+  def committed_step(self) -> Optional[int]:
+    """The newest step whose save has finished: Orbax writes into a temporary folder and
+    renames it to the bare step number when the checkpoint is complete."""
+    steps = [int(p.name) for p in self.dir.iterdir() if p.name.isdigit() and p.is_dir()]
+    return max(steps) if steps else None
 
   def should_save(self, step: int) -> bool:
     return step > 0 and step % self.every == 0

@@ -6,6 +6,10 @@ micro-batch gradients and makes exactly one optimizer step (k steps in the seque
 minibatch ablation), then returns the step's metrics (also written to JSONL/TensorBoard).
 Nothing is replayed. Each (micro-batch shape, final or not) compiles once, ahead of time, and
 its compiled cost analysis gives the FLOPs behind the MFU figure.
+
+A step whose loss or gradient is not finite applies nothing (the step's guard); its records
+are reported in `skipped_traj_ids`, and `find_offenders` names the ones responsible by group
+testing, without touching the state.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 
 from fr_jax import objective as obj
 from fr_jax.learner import checkpoint as ckpt
@@ -98,7 +103,8 @@ class Learner:
                          if c.checkpoint.dir else None)
     self.writer = MetricsWriter(c.log.dir)
     self._peak = float(c.log.peak_flops) or measure_peak_flops(c.model.compute_dtype)
-    self.skipped_batches: list[list[str]] = []
+    self._jit_finite = jax.jit(lambda acc: jnp.isfinite(acc["sums"]["loss"]) &
+                               jnp.isfinite(optax.tree.norm(acc["grads"])))
     self._last_saved = -1
 
   # --- state ---
@@ -110,6 +116,12 @@ class Learner:
   @property
   def params(self):
     return self.state.params
+
+  @property
+  def record_limits(self) -> dict:
+    """What a record must satisfy to be digestible by this model (`trajectory.validate`)."""
+    return dict(max_length=self.spec.max_trajectory_length,
+                vocab_size=self.model_config.vocab_size)
 
   @property
   def compile_count(self) -> int:
@@ -163,23 +175,30 @@ class Learner:
     return np.asarray(obj.group_advantages(rewards, groups,
                                            self.config.objective.normalize_std))
 
-  def _apply(self, trajs: Sequence[Trajectory], reward_mean: float,
-             advantages: Optional[np.ndarray]) -> dict:
-    t0 = time.perf_counter()
-    version = self.version
+  def _micro_batches(self, trajs, reward_mean: float, advantages: Optional[np.ndarray]):
+    """(packed batch, whole-batch normalisers, device micro-batches)."""
     packed = pack(trajs, self.spec)
     B = len(trajs)
     T = float(sum(t.num_action_tokens for t in trajs))
     # Whole-batch normalisers: every micro-batch sees B, sum R (as B * mean) and sum T.
     stats = jax.device_put(obj.BatchStats(np.float32(B), np.float32(reward_mean * B),
                                           np.float32(T)), meshlib.replicated(self.mesh))
-    acc, flops = None, 0.0
-    for i, b in enumerate(packed.batches):
+    dbs = []
+    for b in packed.batches:
       vals = None
       if advantages is not None:
         vals = np.where(b.segment_valid, advantages[np.maximum(b.traj_index, 0)], 0.0)
         vals = vals.astype(np.float32)
-      db = self._device_batch(b, vals)
+      dbs.append(self._device_batch(b, vals))
+    return packed, stats, dbs
+
+  def _apply(self, trajs: Sequence[Trajectory], reward_mean: float,
+             advantages: Optional[np.ndarray]) -> dict:
+    t0 = time.perf_counter()
+    version = self.version
+    packed, stats, dbs = self._micro_batches(trajs, reward_mean, advantages)
+    acc, flops = None, 0.0
+    for i, db in enumerate(dbs):
       if i + 1 < len(packed.batches):
         exe, f = self._executable("accumulate", self.state.params, acc, db, stats)
         acc = exe(self.state.params, acc, db, stats)
@@ -203,20 +222,51 @@ class Learner:
         skipped_total=int(self.state.skipped))
     if not m["finite"]:
       ids = [t.traj_id for t in trajs]
-      self.skipped_batches.append(ids)
       log.warning("non-finite loss or gradient: batch skipped, state kept (trajectories %s)",
                   ids)
       m["skipped_traj_ids"] = ids
     return m
+
+  def objective_finite(self, trajs: Sequence[Trajectory]) -> bool:
+    """Whether the one-batch objective on `trajs` alone (with their own B, mean reward and
+    token count) has a finite loss and gradient. Applies nothing."""
+    rewards = np.array([t.reward for t in trajs], np.float64)
+    adv = self._grpo_advantages(trajs) if self.config.objective.loss == "grpo" else None
+    packed, stats, dbs = self._micro_batches(trajs, float(np.mean(rewards)), adv)
+    acc = None
+    for db in dbs:
+      exe, _ = self._executable("accumulate", self.state.params, acc, db, stats)
+      acc = exe(self.state.params, acc, db, stats)
+    return bool(self._jit_finite(acc))
+
+  def find_offenders(self, trajs: Sequence[Trajectory]) -> list[int]:
+    """Indices of the records that make a non-finite batch so, by group testing: a half whose
+    objective is finite (together with the records already cleared) is cleared; a half that
+    is not is split again, down to single records. About 2 log2(B) probes per offender.
+    Empty if no record can be singled out."""
+    cleared: list[int] = []
+
+    def search(idx: list[int]) -> list[int]:
+      if not idx:
+        return []
+      if self.objective_finite([trajs[i] for i in cleared + idx]):
+        cleared.extend(idx)
+        return []
+      if len(idx) == 1:
+        return idx
+      h = len(idx) // 2
+      return search(idx[:h]) + search(idx[h:])
+
+    h = len(trajs) // 2  # the whole batch is known to be non-finite: start with its halves
+    return search(list(range(h))) + search(list(range(h, len(trajs))))
 
   def update(self, trajs: Sequence[Trajectory], *, log_ids: bool = True) -> dict:
     """One fresh batch: validates, then one optimizer step (k with `minibatches=k`, the
     batch split into k consecutive updates whose advantages use the whole batch's mean).
     Returns the last step's metrics; every step is written to the metric files."""
     c = self.config
-    max_len = self.spec.max_trajectory_length
     for t in trajs:
-      validate(t, max_length=max_len)
+      validate(t, **self.record_limits)
     k = c.minibatches
     if len(trajs) != c.batch_size * k:
       raise ValueError(f"update() needs batch_size*minibatches = {c.batch_size}*{k} = "
@@ -224,13 +274,19 @@ class Learner:
     reward_mean = float(np.mean([t.reward for t in trajs]))
     adv = self._grpo_advantages(trajs) if c.objective.loss == "grpo" else None
     B = c.batch_size
-    m = {}
+    m, skipped = {}, []
     for j in range(k):
       chunk = trajs[j * B:(j + 1) * B]
       m = self._apply(chunk, reward_mean, None if adv is None else adv[j * B:(j + 1) * B])
+      if not m["finite"]:  # nothing applied: not an update row (versions stay one per row)
+        skipped += m.pop("skipped_traj_ids")
+        self.writer.write(m["version"], m, prefix="skipped/")
+        continue
       if log_ids:
         m["traj_ids"] = [t.traj_id for t in chunk]
       self.writer.write(m["version"], m)
+    if skipped:
+      m["skipped_traj_ids"] = skipped
     return m
 
   # --- checkpoints and export ---

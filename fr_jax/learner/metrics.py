@@ -72,5 +72,15 @@ class MetricsWriter:
 
 
 def read_jsonl(path) -> list[dict]:
+  """The rows of a JSONL file. A last line cut short (a crash mid-write) is left out; a bad
+  line anywhere else raises."""
   with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+    lines = [line for line in f if line.strip()]
+  rows = []
+  for i, line in enumerate(lines):
+    try:
+      rows.append(json.loads(line))
+    except json.JSONDecodeError:
+      if i + 1 < len(lines) or line.endswith("\n"):
+        raise
+  return rows

@@ -5,15 +5,18 @@ call the same `offer`, `weights` and `heartbeat`.
 
 Semantics (FlashREINFORCE has no group barrier):
 
-* `offer` validates a record and checks its policy lag (learner version minus the oldest
-  behaviour version among its action tokens); a refused record is counted under its named
-  reason and never enters the queue. An admitted one waits in a FIFO queue whose capacity
-  bounds memory: a full queue blocks `offer`, which stalls the worker's stream
-  (backpressure).
-* Each update takes the next B admitted trajectories in arrival order, re-checking the lag
-  against the version they will train (a record that went stale while queued is dropped as
-  `stale`). Nothing is replayed: every trajectory id is used at most once, across restarts
-  too (the used ids are saved with each checkpoint).
+* `offer` validates a record against the model (named reasons), refuses a duplicate (per-
+  producer watermarks, `admission.Producers`) and checks its policy lag (learner version minus
+  the oldest behaviour version among its action tokens). An admitted record is written to the
+  admission log, durably, before `offer` returns True: that return is the acknowledgement. A
+  full queue blocks `offer` (backpressure); a log that cannot be written answers
+  `log_unavailable`, and the record counts as never seen, so the worker's retry is admitted.
+* Each update takes the next B admitted records in arrival order. One that went stale while
+  queued is dead-lettered (`stale`). A non-finite update applies nothing: its offender(s),
+  found by group testing on the learner, are dead-lettered (`nonfinite_update`) and the rest go
+  back to the front of the queue.
+* Every admitted record ends up used by exactly one update, or dead-lettered with a reason,
+  across restarts: see `restore` and `fr_jax/learner/admission.py`.
 * New weights are published after every `publish_every` updates.
 """
 
@@ -21,53 +24,83 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import shutil
-import struct
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
 
+from fr_jax.learner.admission import AdmissionLog, DeadLetters, Producers
+from fr_jax.learner.inflight import InflightController
 from fr_jax.learner.metrics import read_jsonl
-from fr_jax.trajectory import REASONS, Trajectory, TrajectoryError, validate
+from fr_jax.trajectory import (REASONS, RETRY_REASONS, Trajectory, TrajectoryError,
+                               record_key, validate)
 
 log = logging.getLogger("fr_jax.service")
 
 # Admission rejection reasons: the validator's, plus the service's own.
-SERVICE_REASONS = ("stale", "future_version", "duplicate", "decode", "shutdown")
+SERVICE_REASONS = ("stale", "future_version", "duplicate", "decode", "shutdown",
+                   "producer_expired")
 REJECTION_REASONS = REASONS + SERVICE_REASONS
+DEAD_LETTER_REASONS = ("stale", "nonfinite_update", "future_version")
 LAG_BINS = (0, 1, 2, 3, 4, 6, 8, 16, 32)  # histogram lower edges
+MAX_WORKERS_TRACKED = 4096
+
+__all__ = ["LearnerService", "TrajectoryQueue", "InflightController", "REJECTION_REASONS",
+           "RETRY_REASONS"]
 
 
 class TrajectoryQueue:
-  """A bounded FIFO: `put` blocks while full (backpressure), `take` blocks until n arrive."""
+  """A bounded FIFO. `reserve` waits for a free slot (backpressure) that `commit` fills;
+  `put` is both. `push_front` returns records taken but not used."""
 
   def __init__(self, capacity: int):
     if capacity < 1:
       raise ValueError(f"queue capacity={capacity} must be >= 1")
     self.capacity = capacity
     self._items: collections.deque = collections.deque()
+    self._reserved = 0
     self._cv = threading.Condition()
     self.closed = False
 
   def __len__(self):
     return len(self._items)
 
-  def put(self, item, timeout: Optional[float] = None, force: bool = False) -> bool:
+  def reserve(self, timeout: Optional[float] = None, force: bool = False) -> bool:
     """False if still full after `timeout` seconds (None: wait forever) or closed. `force`
-    ignores the capacity (records replayed after a restart, which were admitted before)."""
+    ignores the capacity (records replayed after a restart, admitted before)."""
     with self._cv:
-      ok = self._cv.wait_for(
-          lambda: self.closed or force or len(self._items) < self.capacity, timeout)
+      ok = self._cv.wait_for(lambda: self.closed or force or
+                             len(self._items) + self._reserved < self.capacity, timeout)
       if not ok or self.closed:
         return False
+      self._reserved += 1
+      return True
+
+  def unreserve(self) -> None:
+    with self._cv:
+      self._reserved -= 1
+      self._cv.notify_all()
+
+  def commit(self, item) -> None:
+    with self._cv:
+      self._reserved -= 1
       self._items.append(item)
       self._cv.notify_all()
-      return True
+
+  def put(self, item, timeout: Optional[float] = None, force: bool = False) -> bool:
+    if not self.reserve(timeout, force):
+      return False
+    self.commit(item)
+    return True
+
+  def push_front(self, items) -> None:
+    with self._cv:
+      self._items.extendleft(reversed(list(items)))
+      self._cv.notify_all()
 
   def pop(self, timeout: Optional[float] = None):
     """The oldest item, or None after `timeout` seconds / when closed and empty."""
@@ -84,98 +117,19 @@ class TrajectoryQueue:
       self._cv.notify_all()
 
 
-class InflightController:
-  """Adaptive rollouts-in-flight (off by default): additive increase, multiplicative decrease.
-
-  After each update it sees the trust rejection rate (1 - acceptance rate) and the max policy
-  lag. Above the rejection target or the lag bound, in-flight rollouts shrink by `decrease`;
-  comfortably below both (rejection < target / 2, lag < bound), they grow by one. Fewer
-  rollouts in flight means fresher data: lower lag and fewer trust-gate rejections. Every
-  adjustment is logged and kept in `history`.
-  """
-
-  def __init__(self, initial: int, *, target_rejection: float = 0.1, max_lag: int = 4,
-               minimum: int = 1, maximum: int = 256, decrease: float = 0.75):
-    if not minimum <= initial <= maximum:
-      raise ValueError(f"in-flight initial={initial} not in [{minimum}, {maximum}]")
-    self.value, self.target, self.max_lag = initial, target_rejection, max_lag
-    self.minimum, self.maximum, self.decrease = minimum, maximum, decrease
-    self.history: list[dict] = []
-
-  def observe(self, version: int, acceptance_rate: float, lag_max: int) -> int:
-    rejection = 1.0 - acceptance_rate
-    new = self.value
-    if rejection > self.target or lag_max > self.max_lag:
-      new = max(self.minimum, int(self.value * self.decrease))
-      why = (f"rejection {rejection:.3f} > {self.target}" if rejection > self.target else
-             f"lag {lag_max} > {self.max_lag}")
-    elif rejection < self.target / 2 and lag_max < self.max_lag:
-      new = min(self.maximum, self.value + 1)
-      why = f"rejection {rejection:.3f} < {self.target / 2:.3f} and lag {lag_max} < {self.max_lag}"
-    if new != self.value:
-      log.info("in-flight %d -> %d at version %d (%s)", self.value, new, version, why)
-      self.history.append(dict(version=version, old=self.value, new=new, reason=why))
-      self.value = new
-    return self.value
-
-
-class AdmissionLog:
-  """Admitted records (serialised), appended before they are acknowledged, so a learner that
-  dies loses none: on restart the ones no checkpointed update used are queued again. It is
-  compacted after each committed checkpoint to the records still waiting."""
-
-  def __init__(self, path):
-    self.path = Path(path)
-    self.path.parent.mkdir(parents=True, exist_ok=True)
-    self._lock = threading.Lock()
-    self._f = open(self.path, "ab")
-
-  @staticmethod
-  def _frame(raw: bytes) -> bytes:
-    return struct.pack("<I", len(raw)) + raw
-
-  def append(self, raw: bytes) -> None:
-    with self._lock:
-      self._f.write(self._frame(raw))
-      self._f.flush()
-
-  def rewrite(self, raws) -> None:
-    with self._lock:
-      self._f.close()
-      tmp = self.path.with_suffix(".tmp")
-      with open(tmp, "wb") as f:
-        for raw in raws:
-          f.write(self._frame(raw))
-      os.replace(tmp, self.path)
-      self._f = open(self.path, "ab")
-
-  @staticmethod
-  def read(path) -> list[bytes]:
-    """Every whole record (a record cut short by a crash mid-write is ignored)."""
-    path = Path(path)
-    if not path.exists():
-      return []
-    data, out, i = path.read_bytes(), [], 0
-    while i + 4 <= len(data):
-      (n,) = struct.unpack_from("<I", data, i)
-      if i + 4 + n > len(data):
-        break
-      out.append(data[i + 4:i + 4 + n])
-      i += 4 + n
-    return out
-
-  def close(self):
-    with self._lock:
-      self._f.close()
-
-
 class LearnerService:
-  """Feeds a `Learner` from workers and publishes its weights."""
+  """Feeds a `Learner` from workers and publishes its weights.
+
+  `encode`/`decode` turn a Trajectory into the bytes the log and dead-letter file keep and
+  back (the transport's codec); `admission_log` and `dead_letter` are file paths ("" keeps
+  none: in-process runs, whose workers die with the learner)."""
 
   def __init__(self, learner, *, queue_capacity: int = 256, max_lag: int = -1,
                publish_every: int = 1, hf_export_dir: str = "", inflight: int = 0,
                controller: Optional[InflightController] = None, max_length: Optional[int] = None,
-               admission_log: str = ""):
+               admission_log: str = "", dead_letter: str = "", log_fsync: bool = True,
+               max_producers: int = 65536, worker_timeout_s: float = 300.0,
+               encode: Optional[Callable] = None, decode: Optional[Callable] = None):
     self.learner = learner
     self.B = learner.config.batch_size * learner.config.minibatches
     self.queue = TrajectoryQueue(queue_capacity)
@@ -184,29 +138,36 @@ class LearnerService:
     self.hf_export_dir = hf_export_dir
     self.controller = controller
     self.inflight = controller.value if controller else int(inflight)
-    self.max_length = max_length or learner.spec.max_trajectory_length
-    self._lock = threading.Lock()
+    self.limits = dict(learner.record_limits,
+                       max_length=max_length or learner.spec.max_trajectory_length)
+    self.encode, self.decode = encode, decode
+    self._lock = threading.Lock()  # counters, the workers table, the published weights
+    self._admit = threading.Condition()  # the producer table and in-flight admissions
+    self._reserved: set = set()  # (producer, seq) being admitted right now
+    self.producers = Producers(max_producers)
     self.rejected = collections.Counter()
     self.admitted = 0
+    self.used = 0  # records used by updates (persisted with checkpoints)
     self.lag_hist = collections.Counter()
     self.max_lag_seen = 0
-    self._seen: set[str] = set()  # ids admitted in this process (queued or used)
-    self.used: set[str] = set()  # ids consumed by updates (persisted with checkpoints)
     self.workers: dict[str, dict] = {}
+    self.worker_timeout_s = float(worker_timeout_s)
+    self._pruned_at = 0.0
     self.shutdown = threading.Event()
     self.updates = 0
-    self.idle_s = 0.0
-    self.busy_s = 0.0
-    self.startup_wait_s = 0.0
+    self.idle_s = self.busy_s = self.startup_wait_s = self.loop_s = 0.0
     self.arrivals = 0
     self.arrival_tokens = 0
     self.t_start = time.perf_counter()
     self.hf_dir = ""
     self._published: tuple[int, object] = (-1, None)
     self._version = learner.version
-    self.log = AdmissionLog(admission_log) if admission_log else None
-    self._raw: dict[str, bytes] = {}  # logged records not yet in a committed checkpoint
-    self._used_at: dict[int, list[str]] = {}  # version -> ids its update used
+    self.log = AdmissionLog(admission_log, fsync=log_fsync) if admission_log else None
+    self.dead = DeadLetters(dead_letter or None)
+    self._dead_pending: list = []  # (rows, trajs) whose dead-letter write failed
+    self._compacted_at = -1
+    self.log_torn_frames = 0
+    self.replayed = 0
     self.publish()
 
   # --- weights ---
@@ -247,92 +208,180 @@ class LearnerService:
     return self.version - traj.min_policy_version
 
   def offer(self, traj, *, timeout: Optional[float] = None,
-            raw: Optional[bytes] = None, force: bool = False) -> tuple[bool, str]:
-    """Admits or refuses one record: (admitted, reason). Blocks while the queue is full.
-    `raw` (the serialised record) goes to the admission log before the record is queued."""
+            raw: Optional[bytes] = None) -> tuple[bool, str]:
+    """Admits or refuses one record: (admitted, reason). True is the acknowledgement: the
+    record is in the queue and, when `raw` (its serialised form) is given and the service
+    keeps a log, durably in the admission log. Blocks while the queue is full. Reasons in
+    `RETRY_REASONS` are not answers: nothing was recorded and the caller should retry."""
     with self._lock:
       self.arrivals += 1
     if isinstance(traj, TrajectoryError):  # failed to decode on the wire
       return self._reject("decode" if traj.reason == "bad_field" else traj.reason, "?",
                           str(traj))
     try:
-      validate(traj, max_length=self.max_length)
+      validate(traj, **self.limits)
     except TrajectoryError as e:
-      return self._reject(e.reason, getattr(traj, "traj_id", "?"), str(e))
+      return self._reject(e.reason, getattr(traj, "traj_id", "?")[:64], str(e))
     with self._lock:
       self.arrival_tokens += traj.length
-      dup = traj.traj_id in self._seen or traj.traj_id in self.used
-    if dup:
-      return self._reject("duplicate", traj.traj_id)
+    key = record_key(traj.traj_id)
+    with self._admit:
+      while key in self._reserved:  # the same record on another stream: wait for its fate
+        self._admit.wait()
+      if self.producers.is_duplicate(*key):
+        why = "duplicate"
+      elif self.producers.is_expired(key[0], traj.min_policy_version):
+        why = "producer_expired"
+      else:
+        why = ""
+        self._reserved.add(key)
+    if why:
+      return self._reject(why, traj.traj_id)
+    try:
+      return self._admit_reserved(traj, key, raw, timeout)
+    finally:
+      with self._admit:
+        self._reserved.discard(key)
+        self._admit.notify_all()
+
+  def _admit_reserved(self, traj, key, raw, timeout) -> tuple[bool, str]:
     lag = self.lag(traj)
     if self.max_lag >= 0 and lag > self.max_lag:
       return self._reject("stale", traj.traj_id, f"lag {lag}")
     if lag < 0:  # sampled by weights this learner no longer has (it restarted)
       return self._reject("future_version", traj.traj_id, f"lag {lag}")
-    if self.shutdown.is_set():
-      return self._reject("shutdown", traj.traj_id)
-    with self._lock:
-      self._seen.add(traj.traj_id)
-      if self.log is not None and raw is not None:
-        self._raw[traj.traj_id] = raw
+    if self.shutdown.is_set() or not self.queue.reserve(timeout):
+      if self.shutdown.is_set() or self.queue.closed:
+        return self._reject("shutdown", traj.traj_id)
+      return False, "queue_full"
     if self.log is not None and raw is not None:
-      self.log.append(raw)  # before it can be taken (and long before it is acknowledged)
-    if not self.queue.put(traj, timeout, force):
-      with self._lock:
-        self._seen.discard(traj.traj_id)
-        self._raw.pop(traj.traj_id, None)  # its log entry goes at the next compaction
-      return False, "queue_full"  # not counted as a rejection: the worker retries
+      try:
+        self.log.append(traj.traj_id, raw)  # durable before it is acknowledged
+      except OSError as e:
+        self.queue.unreserve()
+        if self.log.write_failures in (1, 10, 100) or self.log.write_failures % 1000 == 0:
+          log.warning("admission log write failed (%s, %d so far): answering "
+                      "log_unavailable; workers retry", e, self.log.write_failures)
+        return False, "log_unavailable"
+    with self._admit:
+      self.producers.admit(*key, self.version, self._published[0])
+    self.queue.commit(traj)
     with self._lock:
       self.admitted += 1
     return True, ""
 
   def heartbeat(self, worker_id: str, stats: dict) -> dict:
+    now = time.time()
     with self._lock:
-      self.workers[worker_id] = dict(stats, last_seen=time.time())
+      self.workers[worker_id[:256]] = dict(stats, last_seen=now)
+      self._prune_workers(now)
       published = self._published[0]
     return dict(version=published, queue_depth=len(self.queue),
                 queue_capacity=self.queue.capacity, inflight_target=self.inflight,
                 shutdown=self.shutdown.is_set(), hf_dir=self.hf_dir)
 
+  def _prune_workers(self, now: float) -> None:  # holds _lock
+    """Forgets workers silent for worker_timeout_s, and the oldest beyond a cap."""
+    if now - self._pruned_at < min(1.0, self.worker_timeout_s / 2):
+      return
+    self._pruned_at = now
+    for w in [w for w, s in self.workers.items() if now - s["last_seen"] > self.worker_timeout_s]:
+      del self.workers[w]
+    if len(self.workers) > MAX_WORKERS_TRACKED:
+      by_age = sorted(self.workers, key=lambda w: self.workers[w]["last_seen"])
+      for w in by_age[:len(self.workers) - MAX_WORKERS_TRACKED]:
+        del self.workers[w]
+
+  # --- settling records: used or dead-lettered ---
+  def _settle(self, trajs, version: int) -> None:
+    with self._admit:
+      for t in trajs:
+        self.producers.settle(*record_key(t.traj_id))
+    if self.log is not None:
+      self.log.settle([t.traj_id for t in trajs], version)
+
+  def _dead_letter(self, trajs, reason: str, detail: str = "") -> None:
+    """Dead-letters records for the update being assembled (version + 1), durably, then
+    settles them. If the file cannot be written they stay owed and are retried."""
+    v = self.version + 1
+    keep_record = reason != "stale"  # stale drops are common; offenders are kept whole
+    rows = [DeadLetters.row(t, reason, v, detail, self.encode(t) if (
+        keep_record and self.encode) else None) for t in trajs]
+    pending, self._dead_pending = self._dead_pending + [(rows, list(trajs))], []
+    for rows, ts in pending:
+      for r in rows:
+        r["version"] = v
+      try:
+        self.dead.add(rows)
+      except OSError as e:
+        log.error("dead-letter write failed (%s); %d record(s) stay owed", e, len(ts))
+        self._dead_pending.append((rows, ts))
+        continue
+      self._settle(ts, v)
+      with self._lock:
+        for r in rows:
+          if r["reason"] == "stale":
+            self.rejected["stale"] += 1
+
   # --- the update loop ---
   def next_batch(self, stop: threading.Event) -> Optional[list[Trajectory]]:
-    """The next B admitted trajectories in arrival order (stale ones dropped), or None when
-    stopped."""
+    """The next B admitted trajectories in arrival order (stale ones dead-lettered), or None
+    when stopped (anything taken goes back to the queue)."""
     batch = []
     while len(batch) < self.B:
       if stop.is_set() or self.shutdown.is_set():
+        self.queue.push_front(batch)
         return None
       t = self.queue.pop(timeout=0.1)
       if t is None:
         continue
       lag = self.lag(t)
       if self.max_lag >= 0 and lag > self.max_lag:
-        self._reject("stale", t.traj_id, f"lag {lag} at take")
+        self._dead_letter([t], "stale", f"lag {lag} > max_policy_lag {self.max_lag} at take")
         continue
       batch.append(t)
     return batch
 
   def step(self, batch: list[Trajectory]) -> dict:
     t0 = time.perf_counter()
-    for t in batch:
-      lag = self.lag(t)
-      self.lag_hist[max(b for b in LAG_BINS if b <= lag)] += 1
-      self.max_lag_seen = max(self.max_lag_seen, lag)
+    lags = {t.traj_id: self.lag(t) for t in batch}
     m = self.learner.update(batch)
+    skipped = set(m.get("skipped_traj_ids") or ())
+    if skipped:
+      self._quarantine([t for t in batch if t.traj_id in skipped])
     self._version = self.learner.version
-    with self._lock:
-      self.used.update(t.traj_id for t in batch)
-    self._used_at[self.version] = [t.traj_id for t in batch]
-    self.updates += 1
-    if self.save():  # before publishing: workers never hold weights a restart would lose
-      self.compact_log()
-    if self.version % self.publish_every == 0:
-      self.publish()
-    if self.controller is not None:
-      self.inflight = self.controller.observe(self.version, m["acceptance_rate"],
-                                              m["policy_lag_max"])
+    used = [t for t in batch if t.traj_id not in skipped]
+    if used:
+      for t in used:
+        lag = lags[t.traj_id]
+        self.lag_hist[max(b for b in LAG_BINS if b <= lag)] += 1
+        self.max_lag_seen = max(self.max_lag_seen, lag)
+      self._settle(used, self.version)
+      with self._lock:
+        self.used += len(used)
+      self.updates += 1
+      self.save()  # before publishing: a restart never goes back past a committed version
+      if self.version % self.publish_every == 0:
+        self.publish()
+      if self.controller is not None:
+        self.inflight = self.controller.observe(self.version, m["acceptance_rate"],
+                                                m["policy_lag_max"])
+    self.compact_log()
     self.busy_s += time.perf_counter() - t0
     return m
+
+  def _quarantine(self, bad: list[Trajectory]) -> None:
+    """A non-finite update: dead-letter the records that make it so, give the rest back."""
+    idx = self.learner.find_offenders(bad)
+    detail = "the update's loss or gradient is not finite with this record"
+    if not idx:  # only the records together are non-finite: none can be singled out
+      idx, detail = list(range(len(bad))), "non-finite update, not attributable to one record"
+    offenders = [bad[i] for i in idx]
+    rest = [t for i, t in enumerate(bad) if i not in set(idx)]
+    self._dead_letter(offenders, "nonfinite_update", detail)
+    self.queue.push_front(rest)
+    log.warning("non-finite update at version %d: quarantined %s; %d record(s) given back",
+                self.version, [t.traj_id for t in offenders], len(rest))
 
   def run(self, max_updates: int, stop: Optional[threading.Event] = None,
           on_update=None) -> dict:
@@ -354,80 +403,113 @@ class LearnerService:
         break
       m = self.step(batch)
       self.learner.writer.write(self.version, self.system_metrics(), prefix="system/")
-      if on_update is not None:
+      if on_update is not None and m.get("finite", True):
         on_update(m, self)
     self.loop_s = time.perf_counter() - t_loop
-    if self.save(force=True):
-      self.compact_log()
+    self.save(force=True)
     return self.summary()
 
   # --- checkpoints ---
   def save(self, force: bool = False) -> bool:
-    data = {"used_ids": sorted(self.used), "rejected": dict(self.rejected),
-            "admitted": self.admitted}
+    with self._admit:
+      producers = self.producers.state()
+    with self._lock:
+      data = {"producers": producers, "rejected": dict(self.rejected),
+              "admitted": self.admitted, "used": self.used,
+              "dead_lettered": dict(self.dead.counts)}
     return self.learner.save(data_state=data, force=force)
 
   def compact_log(self) -> None:
-    """Drops from the admission log the records used by updates a committed checkpoint
-    holds (an asynchronous save still in flight keeps its records logged)."""
-    if self.log is None or self.learner.checkpointer is None:
-      return
-    committed = self.learner.checkpointer.latest_step() or 0
-    done = [v for v in self._used_at if v <= committed]
-    with self._lock:
-      for v in done:
-        for i in self._used_at.pop(v):
-          self._raw.pop(i, None)
-      raws = list(self._raw.values())
-    self.log.rewrite(raws)
-
-  def replay_log(self, decode) -> int:
-    """After a restart: queues the logged records no checkpointed update used, in their
-    arrival order. Returns how many were queued again."""
+    """Drops from the admission log the records settled by updates a *committed*
+    checkpoint holds. An asynchronous save still being written is not committed: a crash
+    now would restart from the checkpoint before it."""
     if self.log is None:
-      return 0
-    raws = AdmissionLog.read(self.log.path)
-    self.log.rewrite([])
-    n = 0
-    for raw in raws:
-      traj = decode(raw)
-      if traj.traj_id in self.used:
-        continue
-      ok, _ = self.offer(traj, timeout=0, raw=raw, force=True)
-      n += ok
-    log.info("admission log: %d of %d records queued again", n, len(raws))
-    return n
+      return
+    ck = self.learner.checkpointer
+    committed = ck.committed_step() if ck is not None else self.version
+    if committed is None or committed == self._compacted_at:
+      return
+    self.log.compact(committed)
+    self._compacted_at = committed
 
   def restore(self) -> Optional[dict]:
-    """Restores the learner's latest checkpoint and the used ids; drops metric rows written
-    after it (their updates are redone), so metrics.jsonl stays one row per version."""
+    """Restores the latest committed checkpoint (parameters, optimizer, version, producer
+    watermarks, counts); forgets the metric rows and dead letters of updates it does not
+    hold (they are redone); queues again what the admission log still owes. Returns the
+    checkpoint's meta, or None when starting fresh."""
     meta = self.learner.restore()
-    if meta is None:
-      return None
-    self._version = self.learner.version
-    data = meta.get("data_state") or {}
-    self.used = set(data.get("used_ids", []))
-    self.rejected.update(data.get("rejected", {}))
-    self.admitted = int(data.get("admitted", 0))
-    self.publish()
+    if meta is not None:
+      self._version = self.learner.version
+      data = meta.get("data_state") or {}
+      self.producers.load(data.get("producers", {}))
+      self.rejected.update(data.get("rejected", {}))
+      self.admitted = int(data.get("admitted", 0))
+      self.used = int(data.get("used", 0))
+      self.publish()
+    self.dead.drop_after(self.version)
     jl = self.learner.writer.dir and Path(self.learner.writer.dir) / "metrics.jsonl"
     if jl and jl.exists():
       self.learner.writer.rewrite([r for r in read_jsonl(jl) if r["step"] <= self.version])
+    self._replay()
     return meta
+
+  def _replay(self) -> None:
+    """Queues again the logged records the restored state still owes, in arrival order;
+    records sampled by weights newer than the restored ones are dead-lettered."""
+    if self.log is None:
+      return
+    if self.decode is None:
+      raise ValueError("a service with an admission log needs `decode` to replay it")
+    raws, torn, end = AdmissionLog.read(self.log.path)
+    owed, seen = [], set()
+    for raw in raws:
+      try:
+        traj = self.decode(raw)
+      except Exception:  # noqa: BLE001 - its CRC held, its contents do not: count it torn
+        torn += 1
+        continue
+      key = record_key(traj.traj_id)
+      if key in seen or not self.producers.replayable(*key, traj.min_policy_version):
+        continue
+      seen.add(key)
+      owed.append((traj, raw))
+    self.producers.forget_unsettled()
+    self.log.reset([(t.traj_id, r) for t, r in owed], end)
+    future = []
+    for traj, _ in owed:
+      self.producers.admit(*record_key(traj.traj_id), self.version, self._published[0])
+      if self.lag(traj) < 0:
+        future.append(traj)
+      else:
+        self.queue.put(traj, force=True)
+    if future:
+      self._dead_letter(future, "future_version", "sampled by weights newer than the "
+                        f"checkpoint restored at version {self.version}")
+    self.log_torn_frames += torn
+    self.replayed = len(owed) - len(future)
+    log.info("admission log: %d of %d records queued again, %d dead-lettered "
+             "(future_version), %d torn frame(s) skipped", self.replayed, len(raws),
+             len(future), torn)
 
   # --- metrics ---
   def system_metrics(self) -> dict:
     with self._lock:
+      self._prune_workers(time.time())
       elapsed = max(time.perf_counter() - self.t_start, 1e-9)
       loop = self.idle_s + self.busy_s
       out = dict(queue_depth=len(self.queue), admitted=self.admitted,
                  rejected=sum(self.rejected.values()),
+                 dead_lettered=sum(self.dead.counts.values()),
                  learner_idle_fraction=self.idle_s / loop if loop else 0.0,
                  arrivals_per_s=self.arrivals / elapsed,
                  arrival_tokens_per_s=self.arrival_tokens / elapsed,
-                 workers=len(self.workers), inflight_target=self.inflight)
+                 workers=len(self.workers), producers=len(self.producers),
+                 inflight_target=self.inflight)
       for r, n in self.rejected.items():
         out[f"rejected_{r}"] = n
+      if self.log is not None:
+        out.update(log_records=len(self.log), log_bytes=self.log.size_bytes,
+                   log_write_failures=self.log.write_failures)
     return out
 
   def summary(self) -> dict:
@@ -436,8 +518,9 @@ class LearnerService:
       lags = sorted(self.lag_hist)
       return dict(
           updates=self.updates, version=self.version,
-          trajectories_admitted=self.admitted, trajectories_used=len(self.used),
+          trajectories_admitted=self.admitted, trajectories_used=self.used,
           rejected_by_reason=dict(self.rejected),
+          dead_lettered_by_reason=dict(self.dead.counts),
           max_lag=self.max_lag_seen,
           lag_histogram={str(k): self.lag_hist[k] for k in lags},
           learner_idle_fraction=round(s["learner_idle_fraction"], 4),
@@ -445,6 +528,9 @@ class LearnerService:
           rollout_trajectories_per_s=round(s["arrivals_per_s"], 3),
           rollout_tokens_per_s=round(s["arrival_tokens_per_s"], 1),
           queue_capacity=self.queue.capacity,
+          replayed=self.replayed, log_torn_frames=self.log_torn_frames,
+          log_write_failures=self.log.write_failures if self.log else 0,
+          producers=len(self.producers), producers_evicted=self.producers.evicted,
           inflight_adjustments=len(self.controller.history) if self.controller else 0)
 
   def close(self):

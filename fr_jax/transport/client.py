@@ -7,11 +7,18 @@
 * `heartbeat(stats)` -> the learner's version, queue depth, in-flight target, shutdown flag
   (None while the learner is unreachable).
 
-`GrpcClient` keeps one trajectory stream open, with at most `max_unacked` records sent and
-not yet acknowledged, so a full learner queue stalls the worker instead of piling records
-into gRPC's buffers. Unacknowledged records are re-sent after a reconnect (the learner drops
-any it already holds as `duplicate`); acknowledged ones are in the learner's admission log,
-which survives its restart. Reconnects back off exponentially.
+`GrpcClient` keeps one trajectory stream open with at most `max_unacked` records sent and
+not yet acknowledged, so a full learner queue stalls the worker instead of piling records into
+gRPC's buffers. Acknowledgements carry the record id and settle exactly that record. A record
+stays pending until its own acknowledgement arrives; after a reconnect every pending record is
+sent again, in order, before anything new (the learner answers `duplicate` for one it already
+holds, which is an acknowledgement too). Each stream gets a generation number and only the
+current one may take records from the outbox, so a stream that died inside gRPC's consumer
+thread can never swallow one. Reconnects back off exponentially. An acknowledged record is in
+the learner's admission log, which survives its restart.
+
+`on_ack(traj_id, admitted, reason)` is called once per acknowledged record (an audit ledger
+for the chaos run, `launch.worker --ack_ledger`).
 `LocalClient` calls the service directly: threads in one process share the model and the
 devices, and nothing is serialised.
 """
@@ -20,14 +27,14 @@ from __future__ import annotations
 
 import collections
 import logging
-import queue
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import grpc
 import jax.numpy as jnp
 
+from fr_jax.trajectory import RETRY_REASONS
 from fr_jax.transport import codec
 from fr_jax.transport import fr_jax_pb2 as pb
 from fr_jax.transport import rpc
@@ -46,8 +53,11 @@ class LocalClient:
   def push(self, traj, stop: Optional[threading.Event] = None) -> None:
     while True:
       ok, reason = self.service.offer(traj, timeout=1.0)
-      if reason != "queue_full" or self.service.shutdown.is_set() or (stop and stop.is_set()):
+      if reason not in RETRY_REASONS or self.service.shutdown.is_set() or (
+          stop and stop.is_set()):
         break
+      if reason == "log_unavailable":
+        time.sleep(0.5)
     self.acks["admitted" if ok else reason] += 1
 
   def get_weights(self, min_version: int):
@@ -64,23 +74,36 @@ class LocalClient:
     pass
 
 
+def channel_credentials(tls_ca: str, tls_cert: str = "", tls_key: str = ""):
+  """Credentials to reach a TLS learner (with a client certificate for mutual TLS)."""
+  def read(p):
+    with open(p, "rb") as f:
+      return f.read()
+  return grpc.ssl_channel_credentials(
+      read(tls_ca), private_key=read(tls_key) if tls_key else None,
+      certificate_chain=read(tls_cert) if tls_cert else None)
+
+
 class GrpcClient:
   def __init__(self, address: str, *, worker_id: str = "worker", token: str = "",
-               tls_ca: str = "", outbox_size: int = 8, max_unacked: int = 8,
-               backoff_min: float = 0.2,
-               backoff_max: float = 5.0):
+               tls_ca: str = "", tls_cert: str = "", tls_key: str = "", outbox_size: int = 8,
+               max_unacked: int = 8, backoff_min: float = 0.2, backoff_max: float = 5.0,
+               on_ack: Optional[Callable[[str, bool, str], None]] = None):
     self.address, self.worker_id = address, worker_id
     if tls_ca:
-      with open(tls_ca, "rb") as f:
-        creds = grpc.ssl_channel_credentials(f.read())
-      self.channel = grpc.secure_channel(address, creds, options=CHANNEL_OPTIONS)
+      self.channel = grpc.secure_channel(address, channel_credentials(tls_ca, tls_cert, tls_key),
+                                         options=CHANNEL_OPTIONS)
     else:
       self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     self.stub = rpc.Stub(self.channel)
     self._md = (("authorization", f"Bearer {token}"),) if token else None
-    self._outbox: queue.Queue = queue.Queue(maxsize=outbox_size)
-    self._pending: collections.deque = collections.deque()  # sent, not yet acknowledged
+    self._cv = threading.Condition()  # guards the outbox, the pending records, _gen
+    self._outbox: collections.deque = collections.deque()  # pushed, not yet sent
+    self._pending: collections.OrderedDict = collections.OrderedDict()  # sent, not acked
+    self._gen = 0  # the current stream; older ones may no longer take records
+    self.outbox_size = outbox_size
     self.max_unacked = max_unacked  # gRPC would otherwise buffer the whole outbox
+    self.on_ack = on_ack
     self.acks = collections.Counter()
     self.reconnects = 0
     self.backoff_min, self.backoff_max = backoff_min, backoff_max
@@ -91,39 +114,62 @@ class GrpcClient:
 
   # --- trajectories ---
   def push(self, traj, stop: Optional[threading.Event] = None) -> None:
-    """Queues one record for the stream; blocks while the outbox is full (until `stop`)."""
+    """Queues one record for the stream; blocks while the outbox is full (until `stop`).
+    Records must be pushed in the order of their ids' sequence numbers."""
     msg = codec.trajectory_to_proto(traj, self.worker_id) if not isinstance(
         traj, pb.Trajectory) else traj
-    while not self._closed.is_set() and not (stop is not None and stop.is_set()):
-      try:
-        self._outbox.put(msg, timeout=0.5)
-        return
-      except queue.Full:
-        continue
+    with self._cv:
+      while len(self._outbox) >= self.outbox_size:
+        if self._closed.is_set() or (stop is not None and stop.is_set()):
+          return
+        self._cv.wait(0.5)
+      self._outbox.append(msg)
+      self._cv.notify_all()
 
-  def _requests(self, resend):
-    yield from resend  # already in _pending
-    while not self._closed.is_set():
-      if len(self._pending) >= self.max_unacked:  # the learner is holding back: so do we
-        time.sleep(0.01)
-        continue
-      try:
-        m = self._outbox.get(timeout=0.2)
-      except queue.Empty:
-        continue
-      self._pending.append(m)
-      yield m
+  def _requests(self, gen: int):
+    """The request stream of generation `gen`: every pending record it has not sent yet (in
+    order), then new ones from the outbox. Ends when a newer stream starts."""
+    sent = set()
+    while True:
+      with self._cv:
+        while True:
+          if self._closed.is_set() or gen != self._gen:
+            return
+          todo = [m for i, m in self._pending.items() if i not in sent]
+          if todo:
+            break
+          if self._outbox and len(self._pending) < self.max_unacked:
+            m = self._outbox.popleft()
+            self._pending[m.traj_id] = m
+            self._cv.notify_all()
+            todo = [m]
+            break
+          self._cv.wait(0.5)
+      for m in todo:
+        sent.add(m.traj_id)
+        yield m
 
   def _send_loop(self):
     backoff = self.backoff_min
     while not self._closed.is_set():
-      resend = list(self._pending)  # stays pending until acknowledged
+      with self._cv:
+        self._gen += 1
+        gen = self._gen
+        self._cv.notify_all()
       try:
-        for ack in self.stub.PushTrajectories(self._requests(resend), metadata=self._md):
-          if self._pending:
-            self._pending.popleft()
-          self.acks["admitted" if ack.admitted else ack.reason] += 1
+        for ack in self.stub.PushTrajectories(self._requests(gen), metadata=self._md):
           backoff = self.backoff_min
+          if not ack.admitted and ack.reason in RETRY_REASONS:
+            continue  # not an answer: the record stays pending and goes again
+          with self._cv:
+            settled = self._pending.pop(ack.traj_id, None) is not None
+            self._cv.notify_all()
+          if not settled:  # a second answer for a record already settled
+            continue
+          self.acks["admitted" if ack.admitted else ack.reason] += 1
+          if self.on_ack is not None:
+            self.on_ack(ack.traj_id, ack.admitted, ack.reason)
+        time.sleep(self.backoff_min)  # the learner ended the stream: open another
       except grpc.RpcError as e:
         if self._closed.is_set():
           break
@@ -136,11 +182,18 @@ class GrpcClient:
   def flush(self, timeout: float = 30.0) -> bool:
     """Waits until every pushed record is acknowledged; False on timeout."""
     t_end = time.monotonic() + timeout
-    while time.monotonic() < t_end:
-      if self._outbox.empty() and not self._pending:
-        return True
-      time.sleep(0.05)
-    return False
+    with self._cv:
+      while self._outbox or self._pending:
+        left = t_end - time.monotonic()
+        if left <= 0:
+          return False
+        self._cv.wait(min(left, 0.5))
+    return True
+
+  @property
+  def unacknowledged(self) -> int:
+    with self._cv:
+      return len(self._outbox) + len(self._pending)
 
   # --- weights and stats ---
   def get_weights(self, min_version: int, timeout: float = 300.0):
@@ -169,5 +222,7 @@ class GrpcClient:
 
   def close(self):
     self._closed.set()
+    with self._cv:
+      self._cv.notify_all()
     self.channel.close()
     self._sender.join(timeout=5)

@@ -74,6 +74,16 @@ def trajectory_from_proto(m: pb.Trajectory) -> Trajectory:
                     traj_id=m.traj_id, **arrays)
 
 
+def encode_record(t: Trajectory) -> bytes:
+  """A Trajectory as the bytes the admission log and dead-letter file keep."""
+  return trajectory_to_proto(t).SerializeToString()
+
+
+def decode_record(raw: bytes) -> Trajectory:
+  """Logged bytes (a serialised pb.Trajectory) back to a Trajectory."""
+  return trajectory_from_proto(pb.Trajectory.FromString(raw))
+
+
 # --- weights ---
 def flatten(tree, prefix: str = "") -> dict[str, np.ndarray]:
   """A nested dict of arrays -> {'a/b/c': array} (sorted by name)."""

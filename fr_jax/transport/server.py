@@ -1,15 +1,24 @@
 """The learner's gRPC server: streams trajectories in, weights and stats out.
 
-It binds to loopback unless told otherwise; a non-loopback address needs a shared token
-(`Authorization: Bearer <token>` metadata, checked on every call) or TLS (certificate and key
-files), given by flag. Message sizes are capped at `codec.MAX_MESSAGE_BYTES`.
+Authentication: it binds to loopback unless told otherwise. Beyond loopback every client must
+prove itself, with a shared token (`Authorization: Bearer <token>` metadata, compared in
+constant time on every call) or a client certificate signed by `tls_client_ca` (mutual TLS).
+Server-only TLS encrypts but lets anyone in, so beyond loopback it needs one of the two.
+
+Capacity: a trajectory stream holds one server thread for its lifetime. The pool has
+`max_streams` threads for streams plus `unary_threads` that streams can never take, so
+heartbeats and weight fetches answer however many workers stream; a stream beyond
+`max_streams` is refused (RESOURCE_EXHAUSTED) and its client retries with backoff.
+Message sizes are capped at `codec.MAX_MESSAGE_BYTES`.
 """
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
 import json
 import logging
+import threading
 from concurrent import futures
 from pathlib import Path
 from typing import Optional
@@ -17,10 +26,10 @@ from typing import Optional
 import grpc
 import numpy as np
 
+from fr_jax.trajectory import TrajectoryError
 from fr_jax.transport import codec
 from fr_jax.transport import fr_jax_pb2 as pb
 from fr_jax.transport import rpc
-from fr_jax.trajectory import TrajectoryError
 
 log = logging.getLogger("fr_jax.transport")
 
@@ -31,10 +40,11 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
+UNARY_THREADS = 32
 
 
 class BindError(ValueError):
-  """An address the server refuses to bind as configured."""
+  """An address or credentials the server refuses to serve with as configured."""
 
 
 def is_loopback(address: str) -> bool:
@@ -47,9 +57,17 @@ def is_loopback(address: str) -> bool:
     return False
 
 
+def read_pem(path: str, what: str) -> bytes:
+  """The file's bytes; BindError naming the flag and the path if it cannot be read."""
+  try:
+    return Path(path).read_bytes()
+  except OSError as e:
+    raise BindError(f"{what} {path}: {e.strerror or e}") from None
+
+
 class _TokenAuth(grpc.ServerInterceptor):
   def __init__(self, token: str):
-    self._token = token
+    self._expected = f"Bearer {token}".encode()
 
     def deny(request, context):
       context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong shared token")
@@ -59,7 +77,9 @@ class _TokenAuth(grpc.ServerInterceptor):
 
   def intercept_service(self, continuation, handler_call_details):
     md = dict(handler_call_details.invocation_metadata or ())
-    if md.get("authorization") == f"Bearer {self._token}":
+    got = md.get("authorization", "")
+    got = got.encode() if isinstance(got, str) else bytes(got)
+    if hmac.compare_digest(got, self._expected):  # constant time: no timing oracle
       return continuation(handler_call_details)
     return self._deny[rpc.method_kind(handler_call_details.method)]
 
@@ -67,11 +87,28 @@ class _TokenAuth(grpc.ServerInterceptor):
 class _Servicer:
   """The Learner service's three methods (see rpc.METHODS) over a LearnerService."""
 
-  def __init__(self, service):
+  def __init__(self, service, max_streams: int):
     self.service = service
-    self._weights_cache: tuple[int, list] = (-1, [])
+    self.max_streams = max_streams
+    self.streams = 0
+    self._lock = threading.Lock()
+    self._weights_cache: tuple[int, dict] = (-1, {})
 
   def PushTrajectories(self, request_iterator, context):
+    with self._lock:
+      full = self.streams >= self.max_streams
+      if not full:
+        self.streams += 1
+    if full:
+      context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{self.max_streams} trajectory streams open; retry later")
+    try:
+      yield from self._stream(request_iterator, context)
+    finally:
+      with self._lock:
+        self.streams -= 1
+
+  def _stream(self, request_iterator, context):
     s = self.service
     for msg in request_iterator:
       try:
@@ -84,6 +121,9 @@ class _Servicer:
       raw = msg.SerializeToString() if s.log is not None else None
       while reason == "queue_full" and context.is_active():
         ok, reason = s.offer(traj, timeout=1.0, raw=raw)  # blocks while full: backpressure
+      if reason == "log_unavailable":  # nothing recorded: end the stream, the client retries
+        context.abort(grpc.StatusCode.UNAVAILABLE,
+                      "the learner cannot write its admission log (disk full?); retry")
       yield pb.PushAck(traj_id=msg.traj_id, admitted=ok, reason=reason,
                        learner_version=s.version, queue_depth=len(s.queue))
 
@@ -92,10 +132,11 @@ class _Servicer:
     if got is None:
       return
     v, params = got
-    if self._weights_cache[0] != v:  # host copy once per version, shared by all workers
-      flat = {k: np.asarray(a) for k, a in codec.flatten(params).items()}
-      self._weights_cache = (v, flat)
-    v, flat = self._weights_cache
+    with self._lock:  # one host copy per version, shared by every worker
+      if self._weights_cache[0] != v:
+        flat = {k: np.asarray(a) for k, a in codec.flatten(params).items()}
+        self._weights_cache = (v, flat)
+      v, flat = self._weights_cache
     yield from codec.weight_chunks(v, flat, hf_dir=self.service.hf_dir)
 
   def Heartbeat(self, request, context):
@@ -109,32 +150,48 @@ class _Servicer:
                            stats_json=json.dumps(self.service.system_metrics()))
 
 
-def decode_record(raw: bytes):
-  """A logged record (serialised pb.Trajectory) back to a Trajectory."""
-  return codec.trajectory_from_proto(pb.Trajectory.FromString(raw))
+def check_credentials(address: str, *, token: str = "", tls_cert: str = "", tls_key: str = "",
+                      tls_client_ca: str = ""):
+  """The server credentials for these settings (None: plaintext). BindError, naming the flag
+  and what to do, for anything that cannot serve: a missing or unreadable file, half a key
+  pair, or no client authentication beyond loopback."""
+  if bool(tls_cert) != bool(tls_key):
+    raise BindError("--tls_cert and --tls_key go together")
+  if tls_client_ca and not tls_cert:
+    raise BindError("--tls_client_ca (mutual TLS) needs --tls_cert and --tls_key")
+  pems = {flag: read_pem(path, flag) for flag, path in (
+      ("--tls_cert", tls_cert), ("--tls_key", tls_key), ("--tls_client_ca", tls_client_ca))
+      if path}
+  if not is_loopback(address) and not (token or tls_client_ca):
+    raise BindError(
+        f"refusing to serve {address!r} beyond loopback without client authentication: "
+        "give --auth_token or --tls_client_ca (mutual TLS); server-only TLS lets any "
+        "client in")
+  if not tls_cert:
+    return None
+  ca = pems.get("--tls_client_ca")
+  return grpc.ssl_server_credentials([(pems["--tls_key"], pems["--tls_cert"])],
+                                     root_certificates=ca, require_client_auth=ca is not None)
 
 
-def serve(service, address: str = "127.0.0.1:0", *, token: str = "",
-          tls_cert: str = "", tls_key: str = "", max_workers: int = 64):
+def serve(service, address: str = "127.0.0.1:0", *, token: str = "", tls_cert: str = "",
+          tls_key: str = "", tls_client_ca: str = "", max_streams: int = 1024,
+          unary_threads: int = UNARY_THREADS):
   """Starts the server; returns (server, bound port). Port 0 picks a free one."""
-  if not is_loopback(address) and not (token or (tls_cert and tls_key)):
-    raise BindError(f"refusing to bind {address!r} beyond loopback without --auth_token or "
-                    "--tls_cert/--tls_key")
+  creds = check_credentials(address, token=token, tls_cert=tls_cert, tls_key=tls_key,
+                            tls_client_ca=tls_client_ca)
   interceptors = [_TokenAuth(token)] if token else []
-  server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
+  server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_streams + unary_threads,
                                                   thread_name_prefix="grpc"),
                        options=CHANNEL_OPTIONS, interceptors=interceptors)
-  rpc.add_to_server(_Servicer(service), server)
-  if tls_cert and tls_key:
-    creds = grpc.ssl_server_credentials([(Path(tls_key).read_bytes(),
-                                          Path(tls_cert).read_bytes())])
-    port = server.add_secure_port(address, creds)
-  else:
-    port = server.add_insecure_port(address)
+  rpc.add_to_server(_Servicer(service, max_streams), server)
+  port = (server.add_secure_port(address, creds) if creds is not None
+          else server.add_insecure_port(address))
   if port == 0:
     raise BindError(f"could not bind {address!r}")
   server.start()
-  log.info("learner service on %s (port %d)%s", address, port, " with token" if token else "")
+  log.info("learner service on %s (port %d)%s%s", address, port,
+           " with token" if token else "", " with mutual TLS" if tls_client_ca else "")
   return server, port
 
 

@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 TEST_JOBS ?= 2   # pytest-xdist processes (test files are kept whole per process)
 
-.PHONY: demo test test-all bench smoke replication proto venv clean-venv help
+.PHONY: demo test test-all bench smoke chaos replication proto venv clean-venv help
 
 DEMO_DIR ?= runs/demo
 REPLICATION_DIR ?= runs/replication
@@ -19,6 +19,7 @@ help:
 	@echo "make test-all  run every test, slow ones included"
 	@echo "make bench     run the benchmarks in experiments/benchmarks/ (JSON lines)"
 	@echo "make smoke     learner + 2 worker processes over loopback gRPC, 5 updates (tiny model)"
+	@echo "make chaos     10 min of crashes, cuts, full disk, poison: lost and duplicated must be 0"
 	@echo "make replication  the paper's seven ablation comparisons, 5 seeds each (tiny model, CPU)"
 	@echo "make proto     regenerate the message classes from fr_jax/transport/fr_jax.proto"
 	@echo "make venv      only create/refresh .venv"
@@ -61,3 +62,8 @@ proto: $(STAMP)
 
 clean-venv:
 	rm -rf $(VENV)
+
+# The fault-injection run (issue 13): 10 minutes of learner and worker SIGKILLs, connection
+# cuts, a full disk under the admission log and poison records; prints the ledger as JSON.
+chaos: $(STAMP)
+	$(VPY) -m experiments.chaos.run $(CHAOS_ARGS)

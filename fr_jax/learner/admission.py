@@ -14,8 +14,9 @@ with a reason, whatever crashes in between. Three pieces carry that promise.
 * `DeadLetters` (`run_dir/dead_letter.jsonl`): admitted records that no update will use, one
   JSON line each with its reason (`stale` when taken, `nonfinite_update` for a quarantined
   offender, `future_version` when a restart went back past the weights that sampled it) and
-  the version of the update it was dropped from. A restart drops the lines of updates its
-  checkpoint does not hold: those records are replayed and judged again.
+  the learner version at the time. A line is fsynced before the record leaves the queue, and
+  the decision is final: a restart never replays a dead-lettered record, whichever
+  checkpoint it restores, so the log may drop it at the next compaction.
 * `Producers`: no-reuse in bounded state. A record id is `producer/seq` (see
   `trajectory.record_key`); a producer sends its records in seq order, so the learner keeps
   per producer only the highest admitted seq (anything at or below it is a duplicate) and the
@@ -243,9 +244,9 @@ class DeadLetters:
 
   def __init__(self, path: Optional[str]):
     self.path = Path(path) if path else None
-    self.counts: collections.Counter = collections.Counter()
     if self.path is not None:
       self.path.parent.mkdir(parents=True, exist_ok=True)
+    self.counts = collections.Counter(r["reason"] for r in self.rows())
 
   def add(self, rows: list[dict]) -> None:
     """Appends and fsyncs the rows; raises OSError if they are not durable."""
@@ -253,6 +254,8 @@ class DeadLetters:
       data = "".join(json.dumps(r) + "\n" for r in rows).encode()
       fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
       try:
+        if os.fstat(fd).st_size and not self._ends_whole():
+          data = b"\n" + data  # after a line cut short by a crash
         _write_all(fd, data)
         os.fsync(fd)
       finally:
@@ -276,22 +279,17 @@ class DeadLetters:
     for line in self.path.read_text().splitlines():
       try:
         out.append(json.loads(line))
-      except json.JSONDecodeError:  # a line cut short by a crash
+      except json.JSONDecodeError:  # a line cut short by a crash: its record was not settled
         continue
     return out
 
-  def drop_after(self, version: int) -> None:
-    """Forgets the lines of updates after `version` (a restart redoes them)."""
-    rows = self.rows()
-    keep = [r for r in rows if r["version"] <= version]
-    if self.path is not None and (len(keep) != len(rows) or
-                                  (self.path.exists() and not self._ends_whole())):
-      _atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in keep).encode())
-    self.counts = collections.Counter(r["reason"] for r in keep)
+  def ids(self) -> set[str]:
+    return {r["traj_id"] for r in self.rows()}
 
   def _ends_whole(self) -> bool:
-    data = self.path.read_bytes()
-    return not data or data.endswith(b"\n")
+    with open(self.path, "rb") as f:
+      f.seek(-1, os.SEEK_END)
+      return f.read(1) == b"\n"
 
 
 class Producers:

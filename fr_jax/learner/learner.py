@@ -8,8 +8,8 @@ Nothing is replayed. Each (micro-batch shape, final or not) compiles once, ahead
 its compiled cost analysis gives the FLOPs behind the MFU figure.
 
 A step whose loss or gradient is not finite applies nothing (the step's guard); its records
-are reported in `skipped_traj_ids`, and `find_offenders` names the ones responsible by group
-testing, without touching the state.
+are reported in `skipped_traj_ids`, and `find_offenders` names the ones responsible by
+bisection, without touching the state.
 """
 
 from __future__ import annotations
@@ -240,25 +240,30 @@ class Learner:
     return bool(self._jit_finite(acc))
 
   def find_offenders(self, trajs: Sequence[Trajectory]) -> list[int]:
-    """Indices of the records that make a non-finite batch so, by group testing: a half whose
-    objective is finite (together with the records already cleared) is cleared; a half that
-    is not is split again, down to single records. About 2 log2(B) probes per offender.
-    Empty if no record can be singled out."""
-    cleared: list[int] = []
+    """Indices of a smallest set of records whose removal makes the batch's objective finite
+    (what is left is scored with its own normalisers, as the next update would be). Found by
+    bisection over removals, about 2 log2(B) probes per offender; empty if the batch is
+    finite now. A record alone may well be finite (a huge reward alone has advantage 0), so
+    the probes always remove records, never test them on their own."""
+    def finite_without(removed: set) -> bool:
+      rest = [t for i, t in enumerate(trajs) if i not in removed]
+      return not rest or self.objective_finite(rest)
 
-    def search(idx: list[int]) -> list[int]:
-      if not idx:
-        return []
-      if self.objective_finite([trajs[i] for i in cleared + idx]):
-        cleared.extend(idx)
-        return []
-      if len(idx) == 1:
-        return idx
-      h = len(idx) // 2
-      return search(idx[:h]) + search(idx[h:])
+    def minimize(cands: list[int], base: set) -> list[int]:
+      # finite_without(base | cands) holds; finite_without(base) does not.
+      if len(cands) == 1:
+        return cands
+      left, right = cands[:len(cands) // 2], cands[len(cands) // 2:]
+      if finite_without(base | set(left)):
+        return minimize(left, base)
+      if finite_without(base | set(right)):
+        return minimize(right, base)
+      found = minimize(left, base | set(right))  # offenders on both sides
+      return found + minimize(right, base | set(found))
 
-    h = len(trajs) // 2  # the whole batch is known to be non-finite: start with its halves
-    return search(list(range(h))) + search(list(range(h, len(trajs))))
+    if not trajs or finite_without(set()):
+      return []
+    return minimize(list(range(len(trajs))), set())
 
   def update(self, trajs: Sequence[Trajectory], *, log_ids: bool = True) -> dict:
     """One fresh batch: validates, then one optimizer step (k with `minibatches=k`, the

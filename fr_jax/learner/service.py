@@ -13,7 +13,7 @@ Semantics (FlashREINFORCE has no group barrier):
   `log_unavailable`, and the record counts as never seen, so the worker's retry is admitted.
 * Each update takes the next B admitted records in arrival order. One that went stale while
   queued is dead-lettered (`stale`). A non-finite update applies nothing: its offender(s),
-  found by group testing on the learner, are dead-lettered (`nonfinite_update`) and the rest go
+  found by bisection on the learner, are dead-lettered (`nonfinite_update`) and the rest go
   back to the front of the queue.
 * Every admitted record ends up used by exactly one update, or dead-lettered with a reason,
   across restarts: see `restore` and `fr_jax/learner/admission.py`.
@@ -301,9 +301,10 @@ class LearnerService:
       self.log.settle([t.traj_id for t in trajs], version)
 
   def _dead_letter(self, trajs, reason: str, detail: str = "") -> None:
-    """Dead-letters records for the update being assembled (version + 1), durably, then
-    settles them. If the file cannot be written they stay owed and are retried."""
-    v = self.version + 1
+    """Dead-letters records, durably, then settles them (a final decision: the log may drop
+    them at its next compaction). If the file cannot be written they stay owed and the write
+    is retried with the next dead letter."""
+    v = self.version
     keep_record = reason != "stale"  # stale drops are common; offenders are kept whole
     rows = [DeadLetters.row(t, reason, v, detail, self.encode(t) if (
         keep_record and self.encode) else None) for t in trajs]
@@ -317,7 +318,7 @@ class LearnerService:
         log.error("dead-letter write failed (%s); %d record(s) stay owed", e, len(ts))
         self._dead_pending.append((rows, ts))
         continue
-      self._settle(ts, v)
+      self._settle(ts, -1)
       with self._lock:
         for r in rows:
           if r["reason"] == "stale":
@@ -415,8 +416,7 @@ class LearnerService:
       producers = self.producers.state()
     with self._lock:
       data = {"producers": producers, "rejected": dict(self.rejected),
-              "admitted": self.admitted, "used": self.used,
-              "dead_lettered": dict(self.dead.counts)}
+              "admitted": self.admitted, "used": self.used}
     return self.learner.save(data_state=data, force=force)
 
   def compact_log(self) -> None:
@@ -434,9 +434,9 @@ class LearnerService:
 
   def restore(self) -> Optional[dict]:
     """Restores the latest committed checkpoint (parameters, optimizer, version, producer
-    watermarks, counts); forgets the metric rows and dead letters of updates it does not
-    hold (they are redone); queues again what the admission log still owes. Returns the
-    checkpoint's meta, or None when starting fresh."""
+    watermarks, counts); forgets the metric rows of updates it does not hold (they are
+    redone); queues again what the admission log still owes (neither used by a checkpointed
+    update nor dead-lettered). Returns the checkpoint's meta, or None when starting fresh."""
     meta = self.learner.restore()
     if meta is not None:
       self._version = self.learner.version
@@ -446,7 +446,6 @@ class LearnerService:
       self.admitted = int(data.get("admitted", 0))
       self.used = int(data.get("used", 0))
       self.publish()
-    self.dead.drop_after(self.version)
     jl = self.learner.writer.dir and Path(self.learner.writer.dir) / "metrics.jsonl"
     if jl and jl.exists():
       self.learner.writer.rewrite([r for r in read_jsonl(jl) if r["step"] <= self.version])
@@ -461,7 +460,7 @@ class LearnerService:
     if self.decode is None:
       raise ValueError("a service with an admission log needs `decode` to replay it")
     raws, torn, end = AdmissionLog.read(self.log.path)
-    owed, seen = [], set()
+    owed, seen, dead = [], set(), self.dead.ids()
     for raw in raws:
       try:
         traj = self.decode(raw)
@@ -469,7 +468,8 @@ class LearnerService:
         torn += 1
         continue
       key = record_key(traj.traj_id)
-      if key in seen or not self.producers.replayable(*key, traj.min_policy_version):
+      if key in seen or traj.traj_id in dead or not self.producers.replayable(
+          *key, traj.min_policy_version):
         continue
       seen.add(key)
       owed.append((traj, raw))

@@ -53,6 +53,7 @@ def default_config() -> ml_collections.ConfigDict:
       lag_bound=4,  # controller: policy lag to stay under
       log_fsync=True,  # fsync each admitted record before acknowledging it (else: flush only)
       max_producers=65536,  # producer watermarks kept; idle ones beyond are evicted
+      producer_ttl_versions=100,  # forget a producer owing nothing after this many updates
       worker_timeout_s=300.0,  # forget a worker's stats after this long without a heartbeat
       max_streams=1024,  # concurrent trajectory streams; more are refused and retry later
   ))
@@ -73,10 +74,10 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if c.service.queue_capacity < c.batch_size * c.minibatches:
     raise ConfigError(f"service.queue_capacity={c.service.queue_capacity} must hold a batch "
                       f"(batch_size*minibatches={c.batch_size * c.minibatches})")
-  if c.service.max_producers < 1 or c.service.max_streams < 1 or \
-     not c.service.worker_timeout_s > 0:
-    raise ConfigError("service.max_producers and service.max_streams must be >= 1 and "
-                      "service.worker_timeout_s > 0")
+  if min(c.service.max_producers, c.service.max_streams, c.service.producer_ttl_versions) < 1 \
+     or not c.service.worker_timeout_s > 0:
+    raise ConfigError("service.max_producers, service.max_streams and "
+                      "service.producer_ttl_versions must be >= 1, service.worker_timeout_s > 0")
   if c.agent.max_total_tokens > c.packing.row_len:
     raise ConfigError(f"agent.max_total_tokens={c.agent.max_total_tokens} exceeds "
                       f"packing.row_len={c.packing.row_len}: trajectories would not fit a row")

@@ -51,7 +51,8 @@ def build_service(c: ml_collections.ConfigDict, model=None, *, resume: bool = Tr
       max_length=c.agent.max_total_tokens,
       admission_log=str(run / "admission.log") if (admission_log and run) else "",
       dead_letter=str(run / "dead_letter.jsonl") if run else "", log_fsync=s.log_fsync,
-      max_producers=s.max_producers, worker_timeout_s=s.worker_timeout_s,
+      max_producers=s.max_producers, producer_ttl_versions=s.producer_ttl_versions,
+      worker_timeout_s=s.worker_timeout_s,
       encode=codec.encode_record, decode=codec.decode_record)
   if resume:
     meta = service.restore()

@@ -111,6 +111,18 @@ def test_producer_watermarks_eviction_and_floor():
   assert "b" in prod.state()["producers"] and len(prod) == 3
 
 
+def test_silent_producers_are_forgotten_after_their_ttl():
+  prod = Producers(ttl_versions=10)
+  prod.admit("old", 0, version=0, safe_version=0)
+  prod.admit("busy", 0, version=0, safe_version=0)  # owes its record 0
+  prod.settle("old", 0)
+  prod.admit("new", 0, version=10, safe_version=10)  # 10 versions idle: not yet
+  assert len(prod) == 3
+  prod.admit("new", 1, version=11, safe_version=11)
+  assert sorted(prod.state()["producers"]) == ["busy", "new"] and prod.floor == 0
+  assert prod.is_expired("old", 0) and not prod.is_expired("old", 1)
+
+
 def test_replayable_against_a_checkpointed_table():
   prod = Producers()
   for s in range(4):

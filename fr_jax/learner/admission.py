@@ -20,12 +20,14 @@ with a reason, whatever crashes in between. Three pieces carry that promise.
 * `Producers`: no-reuse in bounded state. A record id is `producer/seq` (see
   `trajectory.record_key`); a producer sends its records in seq order, so the learner keeps
   per producer only the highest admitted seq (anything at or below it is a duplicate) and the
-  seqs admitted but not yet settled (at most the queue). The table saved with each
-  checkpoint is therefore O(producers + queue), not O(records ever used). Producers idle
-  since before the published version are evicted when the table is full; `floor`, the newest
-  version any evicted producer was heard at, then refuses records no newer than it from
-  unknown producers (`producer_expired`): every record an evicted producer ever had admitted
-  was sampled at or below `floor`.
+  seqs admitted but not yet settled (at most the queue). A producer that owes nothing is
+  evicted once it has been silent for `ttl_versions` updates (a restarted worker's old
+  nonce, a worker that left), or, oldest first, while the table holds more than
+  `max_producers`. The table saved with each checkpoint is therefore O(live producers +
+  queue), not O(records ever used). `floor`, the newest version any evicted producer was
+  heard at, refuses records no newer than it from unknown producers (`producer_expired`):
+  every record an evicted producer ever had admitted was sampled at or below `floor`, and
+  anything else it sends now is at least `ttl_versions` versions old.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from __future__ import annotations
 import base64
 import collections
 import errno
+import itertools
 import json
 import logging
 import os
@@ -295,10 +298,11 @@ class DeadLetters:
 class Producers:
   """Per-producer watermarks (no-reuse in bounded state); see the module docstring."""
 
-  def __init__(self, max_producers: int = 65536):
-    if max_producers < 1:
-      raise ValueError(f"max_producers={max_producers} must be >= 1")
-    self.max = max_producers
+  def __init__(self, max_producers: int = 65536, ttl_versions: int = 100):
+    if max_producers < 1 or ttl_versions < 1:
+      raise ValueError(f"max_producers={max_producers} and ttl_versions={ttl_versions} must "
+                       "be >= 1")
+    self.max, self.ttl = max_producers, ttl_versions
     # producer -> [highest admitted seq, admitted-unsettled seqs, newest version heard at]
     self._p: collections.OrderedDict = collections.OrderedDict()
     self.floor = -1
@@ -315,8 +319,9 @@ class Producers:
     return producer not in self._p and min_version <= self.floor
 
   def admit(self, producer: str, seq: int, version: int, safe_version: int) -> None:
-    """Records an admission at learner `version`; evicts idle producers heard at versions
-    below `safe_version` (the published one) while the table is over its size."""
+    """Records an admission at learner `version`, then evicts producers that owe nothing and
+    were last heard before `safe_version` (the published one): those silent for more than
+    `ttl_versions` versions, and the least recent ones while the table is over its size."""
     e = self._p.get(producer)
     if e is None:
       e = self._p[producer] = [seq, [], version]
@@ -324,14 +329,13 @@ class Producers:
     e[1].append(seq)
     e[2] = max(e[2], version)
     self._p.move_to_end(producer)
-    if len(self._p) > self.max:
-      self._evict(safe_version)
+    self._evict(version, safe_version)
 
-  def _evict(self, safe_version: int) -> None:
-    for name in list(self._p)[:64]:  # the least recently admitting ones
+  def _evict(self, version: int, safe_version: int) -> None:
+    for name in list(itertools.islice(self._p, 64)):  # least recently admitting first
       e = self._p[name]
-      if len(self._p) <= self.max:
-        return
+      if len(self._p) <= self.max and version - e[2] <= self.ttl:
+        return  # the rest were heard from more recently still
       if not e[1] and e[2] < safe_version:
         del self._p[name]
         self.floor = max(self.floor, e[2])

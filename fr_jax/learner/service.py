@@ -128,7 +128,8 @@ class LearnerService:
                publish_every: int = 1, hf_export_dir: str = "", inflight: int = 0,
                controller: Optional[InflightController] = None, max_length: Optional[int] = None,
                admission_log: str = "", dead_letter: str = "", log_fsync: bool = True,
-               max_producers: int = 65536, worker_timeout_s: float = 300.0,
+               max_producers: int = 65536, producer_ttl_versions: int = 100,
+               worker_timeout_s: float = 300.0,
                encode: Optional[Callable] = None, decode: Optional[Callable] = None):
     self.learner = learner
     self.B = learner.config.batch_size * learner.config.minibatches
@@ -144,7 +145,7 @@ class LearnerService:
     self._lock = threading.Lock()  # counters, the workers table, the published weights
     self._admit = threading.Condition()  # the producer table and in-flight admissions
     self._reserved: set = set()  # (producer, seq) being admitted right now
-    self.producers = Producers(max_producers)
+    self.producers = Producers(max_producers, producer_ttl_versions)
     self.rejected = collections.Counter()
     self.admitted = 0
     self.used = 0  # records used by updates (persisted with checkpoints)

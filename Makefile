@@ -49,6 +49,8 @@ bench: $(STAMP)
 	$(VPY) -m experiments.benchmarks.learner
 	$(VPY) -m experiments.benchmarks.rollout
 	$(VPY) -m experiments.benchmarks.async_pipeline
+	$(VPY) -m experiments.benchmarks.stream_load
+	$(VPY) -m experiments.benchmarks.state_growth
 
 smoke: $(STAMP)
 	$(VPY) -m launch.smoke

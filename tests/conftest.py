@@ -15,3 +15,10 @@ def pytest_sessionstart(session):
   if n != 8:
     raise pytest.UsageError(
         f"expected 8 forced CPU devices, got {n}: JAX was imported before tests/conftest.py")
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+  """tiny-chat: a tiny random Llama with a byte-level tokenizer (vocabulary 320)."""
+  from fr_jax.models import registry
+  return registry.load("tiny-chat")

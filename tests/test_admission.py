@@ -11,7 +11,6 @@ import threading
 import time
 import zlib
 
-import grpc
 import pytest
 
 from fr_jax import system
@@ -21,6 +20,7 @@ from fr_jax.transport import codec
 from fr_jax.transport import server as srv
 from fr_jax.transport.client import GrpcClient
 from tests import tls_certs
+from tests.service_helpers import cfg, synth
 
 STATS = dict(engine_version=0, trajectories=0, tokens=0, uptime_s=0.0, inflight=0)
 
@@ -154,26 +154,6 @@ def test_dead_letters_survive_a_line_cut_short(tmp_path):
 
 
 # --- the service around a tiny learner ---
-@pytest.fixture(scope="module")
-def tiny_model():
-  from fr_jax.models import registry
-  return registry.load("tiny-chat")
-
-
-def cfg(run_dir=None, **over):
-  from experiments.configs import tiny_test
-  c = tiny_test.get_config()
-  c.run_dir = str(run_dir) if run_dir else ""
-  c.update_from_flattened_dict(over)
-  return c
-
-
-def synth(i, version=0, producer="w/n"):
-  t = synthetic_trajectory(i, seed=5, vocab_size=259, version=version)
-  t.traj_id = f"{producer}/{i}"
-  return t
-
-
 def test_restart_dead_letters_records_newer_than_the_restored_weights(tmp_path, tiny_model):
   c = cfg(tmp_path, batch_size=1, **{"checkpoint.every": 2})
   learner, service = system.build_service(c, tiny_model, admission_log=True)

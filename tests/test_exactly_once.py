@@ -17,41 +17,20 @@ import sys
 import threading
 import time
 
-import grpc
 import numpy as np
 import pytest
 
 from fr_jax import system
 from fr_jax.learner.metrics import read_jsonl
-from fr_jax.learner.synthetic import synthetic_trajectory
 from fr_jax.transport import codec
 from fr_jax.transport import fr_jax_pb2 as pb
 from fr_jax.transport import server as srv
 from fr_jax.transport.client import GrpcClient
 from tests import tls_certs
+from tests.service_helpers import cfg, synth
 
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")  # one device per child process
 STATS = dict(engine_version=0, trajectories=0, tokens=0, uptime_s=0.0, inflight=0)
-
-
-@pytest.fixture(scope="module")
-def tiny_model():
-  from fr_jax.models import registry
-  return registry.load("tiny-chat")
-
-
-def cfg(run_dir=None, **over):
-  from experiments.configs import tiny_test
-  c = tiny_test.get_config()
-  c.run_dir = str(run_dir) if run_dir else ""
-  c.update_from_flattened_dict(over)
-  return c
-
-
-def synth(i, version=0, producer="w/n", **kw):
-  t = synthetic_trajectory(i, seed=5, vocab_size=259, version=version, **kw)
-  t.traj_id = f"{producer}/{i}"
-  return t
 
 
 def raw(t):

@@ -113,12 +113,6 @@ def tiny_run_config(tmp_path=None, **over):
   return c
 
 
-@pytest.fixture(scope="module")
-def tiny_model():
-  from fr_jax.models import registry
-  return registry.load("tiny-chat")
-
-
 def synth(i, version=0, **kw):
   t = synthetic_trajectory(i, seed=5, vocab_size=259, version=version, **kw)
   t.traj_id = f"t{i}"

@@ -305,6 +305,7 @@ class LearnerService:
     """Dead-letters records, durably, then settles them (a final decision: the log may drop
     them at its next compaction). If the file cannot be written they stay owed and the write
     is retried with the next dead letter."""
+    assert reason in DEAD_LETTER_REASONS, reason
     v = self.version
     keep_record = reason != "stale"  # stale drops are common; offenders are kept whole
     rows = [DeadLetters.row(t, reason, v, detail, self.encode(t) if (

@@ -17,7 +17,7 @@ import pytest
 from fr_jax import config as rcfg
 from fr_jax import system
 from fr_jax.learner.inflight import InflightController
-from fr_jax.learner.service import TrajectoryQueue
+from fr_jax.learner.trajectory_queue import TrajectoryQueue
 from fr_jax.learner.synthetic import synthetic_trajectory
 from fr_jax.trajectory import TrajectoryError
 from fr_jax.transport import codec

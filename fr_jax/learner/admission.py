@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Optional
 
 from fr_jax import faults
+from fr_jax.trajectory import record_key
 
 log = logging.getLogger("fr_jax.service")
 
@@ -372,3 +373,25 @@ class Producers:
         for k, (h, u, v) in state.get("producers", {}).items())
     self.floor = int(state.get("floor", -1))
     self.evicted = int(state.get("evicted", 0))
+
+
+def owed_records(path, decode, producers: Producers, dead_ids: set):
+  """After a restart: the logged records a restored producer table still owes (queued at the
+  checkpoint, or admitted after it), not dead-lettered, once each, in arrival order.
+  Returns ([(trajectory, raw)], frames read, torn frames, end of the last whole frame); a
+  frame whose CRC holds but whose bytes do not decode counts as torn."""
+  raws, torn, end = AdmissionLog.read(path)
+  owed, seen = [], set()
+  for raw in raws:
+    try:
+      traj = decode(raw)
+    except Exception:  # noqa: BLE001 - its CRC held, its contents do not
+      torn += 1
+      continue
+    key = record_key(traj.traj_id)
+    if key in seen or traj.traj_id in dead_ids or not producers.replayable(
+        *key, traj.min_policy_version):
+      continue
+    seen.add(key)
+    owed.append((traj, raw))
+  return owed, len(raws), torn, end

@@ -265,12 +265,15 @@ class Learner:
       return []
     return minimize(list(range(len(trajs))), set())
 
-  def update(self, trajs: Sequence[Trajectory], *, log_ids: bool = True) -> dict:
-    """One fresh batch: validates, then one optimizer step (k with `minibatches=k`, the
-    batch split into k consecutive updates whose advantages use the whole batch's mean).
-    Returns the last step's metrics; every step is written to the metric files."""
+  def update(self, trajs: Sequence[Trajectory], *, log_ids: bool = True,
+             validated: bool = False) -> dict:
+    """One fresh batch: validates (unless the caller did, against `record_limits` or
+    tighter: the learner service at admission), then one optimizer step (k with
+    `minibatches=k`, the batch split into k consecutive updates whose advantages use the
+    whole batch's mean). Returns the last step's metrics; every step is written to the metric
+    files."""
     c = self.config
-    for t in trajs:
+    for t in trajs if not validated else ():
       validate(t, **self.record_limits)
     k = c.minibatches
     if len(trajs) != c.batch_size * k:

@@ -24,18 +24,16 @@ from __future__ import annotations
 
 import collections
 import logging
-import shutil
 import threading
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
-import jax
-import jax.numpy as jnp
-
-from fr_jax.learner.admission import AdmissionLog, DeadLetters, Producers
+from fr_jax.learner.admission import AdmissionLog, DeadLetters, Producers, owed_records
 from fr_jax.learner.inflight import InflightController
 from fr_jax.learner.metrics import read_jsonl
+from fr_jax.learner.publish import Publisher
+from fr_jax.learner.trajectory_queue import TrajectoryQueue
 from fr_jax.trajectory import (REASONS, RETRY_REASONS, Trajectory, TrajectoryError,
                                record_key, validate)
 
@@ -49,72 +47,7 @@ DEAD_LETTER_REASONS = ("stale", "nonfinite_update", "future_version")
 LAG_BINS = (0, 1, 2, 3, 4, 6, 8, 16, 32)  # histogram lower edges
 MAX_WORKERS_TRACKED = 4096
 
-__all__ = ["LearnerService", "TrajectoryQueue", "InflightController", "REJECTION_REASONS",
-           "RETRY_REASONS"]
-
-
-class TrajectoryQueue:
-  """A bounded FIFO. `reserve` waits for a free slot (backpressure) that `commit` fills;
-  `put` is both. `push_front` returns records taken but not used."""
-
-  def __init__(self, capacity: int):
-    if capacity < 1:
-      raise ValueError(f"queue capacity={capacity} must be >= 1")
-    self.capacity = capacity
-    self._items: collections.deque = collections.deque()
-    self._reserved = 0
-    self._cv = threading.Condition()
-    self.closed = False
-
-  def __len__(self):
-    return len(self._items)
-
-  def reserve(self, timeout: Optional[float] = None, force: bool = False) -> bool:
-    """False if still full after `timeout` seconds (None: wait forever) or closed. `force`
-    ignores the capacity (records replayed after a restart, admitted before)."""
-    with self._cv:
-      ok = self._cv.wait_for(lambda: self.closed or force or
-                             len(self._items) + self._reserved < self.capacity, timeout)
-      if not ok or self.closed:
-        return False
-      self._reserved += 1
-      return True
-
-  def unreserve(self) -> None:
-    with self._cv:
-      self._reserved -= 1
-      self._cv.notify_all()
-
-  def commit(self, item) -> None:
-    with self._cv:
-      self._reserved -= 1
-      self._items.append(item)
-      self._cv.notify_all()
-
-  def put(self, item, timeout: Optional[float] = None, force: bool = False) -> bool:
-    if not self.reserve(timeout, force):
-      return False
-    self.commit(item)
-    return True
-
-  def push_front(self, items) -> None:
-    with self._cv:
-      self._items.extendleft(reversed(list(items)))
-      self._cv.notify_all()
-
-  def pop(self, timeout: Optional[float] = None):
-    """The oldest item, or None after `timeout` seconds / when closed and empty."""
-    with self._cv:
-      if not self._cv.wait_for(lambda: self._items or self.closed, timeout) or not self._items:
-        return None
-      item = self._items.popleft()
-      self._cv.notify_all()
-      return item
-
-  def close(self):
-    with self._cv:
-      self.closed = True
-      self._cv.notify_all()
+__all__ = ["LearnerService", "InflightController", "REJECTION_REASONS", "RETRY_REASONS"]
 
 
 class LearnerService:
@@ -136,13 +69,16 @@ class LearnerService:
     self.queue = TrajectoryQueue(queue_capacity)
     self.max_lag = int(max_lag)
     self.publish_every = max(1, int(publish_every))
-    self.hf_export_dir = hf_export_dir
+    self.publisher = Publisher(learner, hf_export_dir)
     self.controller = controller
     self.inflight = controller.value if controller else int(inflight)
-    self.limits = dict(learner.record_limits,
-                       max_length=max_length or learner.spec.max_trajectory_length)
+    # The learner's limits, with the run's length limit if tighter: what passes admission
+    # passes the update, which therefore need not validate again.
+    limits = learner.record_limits
+    self.limits = dict(limits, max_length=min(max_length or limits["max_length"],
+                                              limits["max_length"]))
     self.encode, self.decode = encode, decode
-    self._lock = threading.Lock()  # counters, the workers table, the published weights
+    self._lock = threading.Lock()  # counters and the workers table
     self._admit = threading.Condition()  # the producer table and in-flight admissions
     self._reserved: set = set()  # (producer, seq) being admitted right now
     self.producers = Producers(max_producers, producer_ttl_versions)
@@ -160,8 +96,6 @@ class LearnerService:
     self.arrivals = 0
     self.arrival_tokens = 0
     self.t_start = time.perf_counter()
-    self.hf_dir = ""
-    self._published: tuple[int, object] = (-1, None)
     self._version = learner.version
     self.log = AdmissionLog(admission_log, fsync=log_fsync) if admission_log else None
     self.dead = DeadLetters(dead_letter or None)
@@ -179,24 +113,16 @@ class LearnerService:
     return self._version
 
   def publish(self):
-    """Snapshots the current weights (a device copy: updates donate the live buffers)."""
-    v = self.version
-    params = jax.tree.map(jnp.copy, self.learner.params)
-    jax.block_until_ready(params)
-    if self.hf_export_dir:
-      path = Path(self.hf_export_dir) / f"v{v:08d}"
-      self.learner.export_hf(path)
-      self.hf_dir = str(path)
-      for old in sorted(Path(self.hf_export_dir).glob("v*"))[:-2]:  # keep the last two
-        shutil.rmtree(old, ignore_errors=True)
-    with self._lock:
-      self._published = (v, params)
+    """Publishes the current weights for workers (see `Publisher`)."""
+    self.publisher.publish(self.version)
 
   def weights(self, min_version: int = 0):
     """(version, params) of the published weights if version >= min_version, else None."""
-    with self._lock:
-      v, p = self._published
-    return (v, p) if v >= min_version else None
+    return self.publisher.weights(min_version)
+
+  @property
+  def hf_dir(self) -> str:
+    return self.publisher.hf_dir
 
   # --- admission ---
   def _reject(self, reason: str, traj_id: str, detail: str = "") -> tuple[bool, str]:
@@ -265,7 +191,7 @@ class LearnerService:
                       "log_unavailable; workers retry", e, self.log.write_failures)
         return False, "log_unavailable"
     with self._admit:
-      self.producers.admit(*key, self.version, self._published[0])
+      self.producers.admit(*key, self.version, self.publisher.version)
     self.queue.commit(traj)
     with self._lock:
       self.admitted += 1
@@ -276,8 +202,7 @@ class LearnerService:
     with self._lock:
       self.workers[worker_id[:256]] = dict(stats, last_seen=now)
       self._prune_workers(now)
-      published = self._published[0]
-    return dict(version=published, queue_depth=len(self.queue),
+    return dict(version=self.publisher.version, queue_depth=len(self.queue),
                 queue_capacity=self.queue.capacity, inflight_target=self.inflight,
                 shutdown=self.shutdown.is_set(), hf_dir=self.hf_dir)
 
@@ -348,7 +273,7 @@ class LearnerService:
   def step(self, batch: list[Trajectory]) -> dict:
     t0 = time.perf_counter()
     lags = {t.traj_id: self.lag(t) for t in batch}
-    m = self.learner.update(batch)
+    m = self.learner.update(batch, validated=True)  # at admission, with self.limits
     skipped = set(m.get("skipped_traj_ids") or ())
     if skipped:
       self._quarantine([t for t in batch if t.traj_id in skipped])
@@ -461,25 +386,13 @@ class LearnerService:
       return
     if self.decode is None:
       raise ValueError("a service with an admission log needs `decode` to replay it")
-    raws, torn, end = AdmissionLog.read(self.log.path)
-    owed, seen, dead = [], set(), self.dead.ids()
-    for raw in raws:
-      try:
-        traj = self.decode(raw)
-      except Exception:  # noqa: BLE001 - its CRC held, its contents do not: count it torn
-        torn += 1
-        continue
-      key = record_key(traj.traj_id)
-      if key in seen or traj.traj_id in dead or not self.producers.replayable(
-          *key, traj.min_policy_version):
-        continue
-      seen.add(key)
-      owed.append((traj, raw))
+    owed, frames, torn, end = owed_records(self.log.path, self.decode, self.producers,
+                                           self.dead.ids())
     self.producers.forget_unsettled()
     self.log.reset([(t.traj_id, r) for t, r in owed], end)
     future = []
     for traj, _ in owed:
-      self.producers.admit(*record_key(traj.traj_id), self.version, self._published[0])
+      self.producers.admit(*record_key(traj.traj_id), self.version, self.publisher.version)
       if self.lag(traj) < 0:
         future.append(traj)
       else:
@@ -490,7 +403,7 @@ class LearnerService:
     self.log_torn_frames += torn
     self.replayed = len(owed) - len(future)
     log.info("admission log: %d of %d records queued again, %d dead-lettered "
-             "(future_version), %d torn frame(s) skipped", self.replayed, len(raws),
+             "(future_version), %d torn frame(s) skipped", self.replayed, frames,
              len(future), torn)
 
   # --- metrics ---

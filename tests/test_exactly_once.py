@@ -514,3 +514,30 @@ def test_missing_tls_file_is_one_line_before_the_model_loads(tmp_path):
   assert "Traceback" not in out.stderr
   assert not (tmp_path / "metrics.jsonl").exists()  # nothing was built
   assert time.monotonic() - t0 < 60
+
+
+# --- a reconnect after a long-lived stream starts from the shortest backoff ---
+def test_backoff_restarts_after_a_stream_that_was_up(tiny_model, caplog):
+  """An idle client (the chaos run's poisoner, a worker between rollouts) gets no acks, so the
+  backoff must not ride on acks alone: after a learner restart it would otherwise wait the
+  longest backoff on every later break (the chaos test's empty poison answers in CI)."""
+  learner, service = system.build_service(cfg(), tiny_model)
+  server, port = srv.serve(service, "127.0.0.1:0")
+  client = GrpcClient(f"127.0.0.1:{port}", worker_id="idle", backoff_min=0.1, backoff_max=2.0)
+  caplog.set_level("WARNING", logger="fr_jax.transport")
+  try:
+    time.sleep(0.5)
+    srv.stop(server, grace=0)  # down long enough for the backoff to grow
+    time.sleep(2.0)
+    server, _ = srv.serve(service, f"127.0.0.1:{port}")
+    time.sleep(4.5)  # the pending backoff ends, the stream opens and stays up for seconds
+    caplog.clear()
+    srv.stop(server, grace=0)
+    time.sleep(0.3)
+    waits = [float(r.getMessage().rsplit("retrying in ", 1)[1].rstrip("s"))
+             for r in caplog.records if "retrying in" in r.getMessage()]
+    assert waits and waits[0] == 0.1, waits
+  finally:
+    client.close()
+    srv.stop(server)
+    close(learner, service)

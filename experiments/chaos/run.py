@@ -191,10 +191,12 @@ class Poisoner:
       self.client.push(t)
     return True
 
-  def close(self):
-    self.client.flush(5)
+  def close(self, timeout: float = 60.0) -> bool:
+    """Waits (with the learner up) until every poison record is answered; False if not."""
+    answered = self.client.flush(timeout)
     self.client.close()
     self.ledger.close()
+    return answered
 
 
 def schedule(rng: random.Random, duration: float) -> list[tuple[float, str]]:
@@ -366,7 +368,8 @@ def main(argv):
     check_recovery()
     time.sleep(0.05)
   note("faults done; stopping the workers, then the learner, cleanly")
-  poisoner.close()
+  if not poisoner.close():
+    note(f"poison records still unanswered after 60 s: {poisoner.client.unacknowledged}")
   for w in cluster.workers.values():
     w.send_signal(signal.SIGTERM)  # each flushes what it holds, then exits
   t_kill = time.monotonic() + 5  # one still starting up is killed: its ledger is on disk

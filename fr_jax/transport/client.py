@@ -14,8 +14,9 @@ stays pending until its own acknowledgement arrives; after a reconnect every pen
 sent again, in order, before anything new (the learner answers `duplicate` for one it already
 holds, which is an acknowledgement too). Each stream gets a generation number and only the
 current one may take records from the outbox, so a stream that died inside gRPC's consumer
-thread can never swallow one. Reconnects back off exponentially. An acknowledged record is in
-the learner's admission log, which survives its restart.
+thread can never swallow one. Reconnects back off exponentially; the backoff starts over after
+an acknowledgement or a stream that stayed up for `STREAM_UP_S` (an idle client gets no acks).
+An acknowledged record is in the learner's admission log, which survives its restart.
 
 `on_ack(traj_id, admitted, reason)` is called once per acknowledged record (an audit ledger
 for the chaos run, `launch.worker --ack_ledger`).
@@ -41,6 +42,7 @@ from fr_jax.transport import rpc
 from fr_jax.transport.server import CHANNEL_OPTIONS
 
 log = logging.getLogger("fr_jax.transport")
+STREAM_UP_S = 1.0  # a stream that broke after this long was established: back off afresh
 
 
 class LocalClient:
@@ -156,6 +158,7 @@ class GrpcClient:
         self._gen += 1
         gen = self._gen
         self._cv.notify_all()
+      t_open = time.monotonic()
       try:
         for ack in self.stub.PushTrajectories(self._requests(gen), metadata=self._md):
           backoff = self.backoff_min
@@ -174,6 +177,8 @@ class GrpcClient:
         if self._closed.is_set():
           break
         self.reconnects += 1
+        if time.monotonic() - t_open >= STREAM_UP_S:
+          backoff = self.backoff_min
         log.warning("trajectory stream to %s broke (%s); %d unacknowledged, retrying in %.1fs",
                     self.address, e.code(), len(self._pending), backoff)
         time.sleep(backoff)

@@ -30,6 +30,10 @@ def default_config() -> ml_collections.ConfigDict:
       max_total_tokens=512,  # prompt + completion
       top_p=1.0,
       template="chatml",  # chatml (plain) or model (the model's own template)
+      # The Python tool runs model code only under Linux user-namespace isolation; where the
+      # kernel refuses them the run stops at start. True runs it with resource limits only
+      # (unsafe: the code can read the worker user's files and reach the network).
+      allow_limits_only=False,
   ))
   c.rollout = ml_collections.ConfigDict(dict(
       engine="embedded",  # embedded (in-process JAX) or sglang

@@ -66,7 +66,8 @@ def agent_config(c: ml_collections.ConfigDict) -> AgentConfig:
   a = c.agent
   return AgentConfig(max_turns=a.max_turns, max_new_tokens=a.max_new_tokens,
                      max_total_tokens=a.max_total_tokens, temperature=c.objective.temperature,
-                     top_p=a.top_p, template=a.template, tool_limits=Limits())
+                     top_p=a.top_p, template=a.template,
+                     tool_limits=Limits(allow_limits_only=a.allow_limits_only))
 
 
 def build_engine(c: ml_collections.ConfigDict, model, params=None, version: int = 0):
@@ -171,4 +172,15 @@ def train_in_process(c: ml_collections.ConfigDict, *, model=None,
       t.join(timeout=60)
     learner.close()
   summary["worker_errors"] = workers.errors
+  summary["tool_isolation"] = tool_isolation(c)
   return summary
+
+
+def tool_isolation(c: ml_collections.ConfigDict) -> str:
+  """How the run's Python tool isolates model code: namespaces, limits-only (allowed by
+  agent.allow_limits_only, and warned about), unavailable, or none (no tool offered)."""
+  from fr_jax.envs.sandbox import isolation_mode
+  env = envs.make(c.env.name, **c.env.kwargs.to_dict())
+  if "python" not in env.tools:
+    return "none"
+  return isolation_mode(Limits(allow_limits_only=c.agent.allow_limits_only))

@@ -41,6 +41,20 @@ def load_config():
     fail(f"config error: {e}")
 
 
+def require_tool_isolation(c) -> str:
+  """The Python tool's isolation for this run (see fr_jax.envs.sandbox); one line and exit
+  status 2 where the machine cannot isolate it and the config does not allow limits-only."""
+  from fr_jax import system
+  from fr_jax.envs import sandbox
+  mode = system.tool_isolation(c)
+  if mode == "unavailable":
+    try:
+      sandbox.require_isolation()
+    except sandbox.SandboxUnavailable as e:
+      fail(str(e))
+  return mode
+
+
 def load_model(c):
   from fr_jax import system
   from fr_jax.models import registry

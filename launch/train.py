@@ -45,6 +45,7 @@ def main(argv):
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # keep the progress bar readable
   c = common.load_config()
+  common.require_tool_isolation(c)
   model = common.load_model(c)
   from fr_jax import config as rcfg
   from fr_jax import system

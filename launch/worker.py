@@ -48,6 +48,7 @@ def main(argv):
     if path and not os.access(path, os.R_OK):
       common.fail(f"--{flag} {path}: not a readable file")
   c = common.load_config()
+  common.require_tool_isolation(c)
   model = common.load_model(c)
   from fr_jax import system
   from fr_jax.transport.client import GrpcClient
@@ -85,7 +86,7 @@ def main(argv):
   client.flush(timeout=10)
   client.close()
   common.print_json({"worker_id": wid, "trajectories": n, "acks": dict(client.acks),
-                     "reconnects": client.reconnects})
+                     "reconnects": client.reconnects, "tool_isolation": w.loop.tool_isolation})
 
 
 if __name__ == "__main__":

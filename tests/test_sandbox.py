@@ -1,21 +1,166 @@
-"""The sandboxed Python tool against escape attempts. Each must be contained, give the model a
-marked result, and leave this (worker) process alive."""
+"""The sandboxed Python tool against escape attempts, run as a user would run a worker: as root
+and as an unprivileged user (nobody, dropped to inside the test).
 
+Each user runs `python -m fr_jax.envs.escapes --json` once (25 attempts, about 10 s); the
+tests below read its verdicts, which rest on the host's side (the listener saw nothing, the
+file does not exist, no segment is left, the concurrent calls succeeded). The unprivileged
+run uses the system interpreter and a world-readable copy of the sandbox's stdlib-only files:
+this test's own interpreter lives under /root, which nobody cannot read, as a real ordinary
+user's worker would have its own interpreter.
+
+Fail-closed is tested in a user namespace that permits no nested ones (`tests/no_userns.py`),
+which is how a kernel or container that refuses user namespaces looks to the sandbox."""
+
+import json
 import os
-import socket
-import threading
+import shutil
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
-from fr_jax.envs.sandbox import Limits, namespaces_available, run_python
+from fr_jax.envs.escapes import ATTEMPTS
+from fr_jax.envs.sandbox import Limits, run_python
 
 REPO = Path(__file__).resolve().parents[1]
-NS = pytest.mark.skipif(not namespaces_available(),
-                        reason="needs Linux namespaces (root + unshare) for file/network isolation")
-FAST = Limits(wall_seconds=6.0, cpu_seconds=3)
+NOBODY = 65534
+SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin")
+STDLIB_FILES = ["fr_jax/__init__.py", "fr_jax/envs/__init__.py", "fr_jax/envs/sandbox.py",
+                "fr_jax/envs/_sandbox_entry.py", "fr_jax/envs/escapes.py", "tests/no_userns.py"]
 
 
+def _kernel_allows_user_namespaces() -> bool:
+  """Independent of the sandbox's own probe: util-linux's unshare, as nobody when root."""
+  cmd = ["unshare", "--user", "--map-root-user", "--net", "--pid", "--ipc", "--mount",
+         "--fork", "true"]
+  if os.geteuid() == 0:
+    cmd = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"] + cmd
+  try:
+    return subprocess.run(cmd, capture_output=True, timeout=30).returncode == 0
+  except (OSError, subprocess.SubprocessError):
+    return False
+
+
+USERNS = _kernel_allows_user_namespaces()
+needs_userns = pytest.mark.skipif(not USERNS, reason="this kernel refuses user namespaces")
+
+
+@pytest.fixture(scope="module")
+def world_readable_copy():
+  """The stdlib-only files an unprivileged worker needs, where nobody can read them."""
+  d = tempfile.mkdtemp(prefix="fr_sandbox_user_")
+  for f in STDLIB_FILES:
+    (Path(d) / f).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(REPO / f, Path(d) / f)
+  for root, dirs, files in os.walk(d):
+    os.chmod(root, 0o755)
+    for f in files:
+      os.chmod(os.path.join(root, f), 0o644)
+  yield d
+  shutil.rmtree(d, ignore_errors=True)
+
+
+def as_user(mode, args, copy, timeout=300):
+  """Runs `python ARGS` as the worker of `mode`: root (this interpreter, the repository) or
+  unprivileged (nobody with the system interpreter on the copy; the current user if the
+  tests themselves run unprivileged)."""
+  if mode == "root":
+    if os.geteuid() != 0:
+      pytest.skip("the root worker is tested when the tests run as root")
+    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ, PYTHONPATH=str(REPO)))
+  if os.geteuid() != 0:
+    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ, PYTHONPATH=str(REPO)))
+  assert SYSTEM_PYTHON, "no system python3 that an unprivileged user can run"
+  return subprocess.run([SYSTEM_PYTHON, *args], cwd=copy, capture_output=True, text=True,
+                        timeout=timeout, user=NOBODY, group=NOBODY, extra_groups=[],
+                        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": copy, "LANG": "C.UTF-8"})
+
+
+_RUNS = {}
+
+
+def escape_run(mode, copy):
+  if mode not in _RUNS:
+    out = as_user(mode, ["-m", "fr_jax.envs.escapes", "--json"], copy)
+    lines = [json.loads(ln) for ln in out.stdout.splitlines() if ln.startswith("{")]
+    assert lines and lines[-1].get("summary"), (out.stdout[-2000:], out.stderr[-3000:])
+    _RUNS[mode] = lines
+  return _RUNS[mode]
+
+
+MODES = ["root", "unprivileged"]
+
+
+@needs_userns
+@pytest.mark.parametrize("mode", MODES)
+def test_every_attempt_ran_under_full_isolation(mode, world_readable_copy):
+  lines = escape_run(mode, world_readable_copy)
+  summary = lines[-1]
+  assert summary["isolation"] == "namespaces", summary
+  assert summary["attempts"] == len(ATTEMPTS) >= 16
+  assert summary["user"] == ("uid 0" if mode == "root" else f"uid {NOBODY}")
+
+
+@needs_userns
+@pytest.mark.parametrize("name", [a.name for a in ATTEMPTS])
+@pytest.mark.parametrize("mode", MODES)
+def test_escape_attempt_is_contained(mode, name, world_readable_copy):
+  rows = {r["name"]: r for r in escape_run(mode, world_readable_copy)[:-1]}
+  r = rows[name]
+  print(json.dumps(r))
+  assert r["contained"], r
+
+
+# --- fail closed ---
+WORKER = r"""
+import json, logging, os, sys
+from fr_jax.envs import sandbox
+logging.basicConfig(level=logging.WARNING, format="LOG %(message)s", stream=sys.stdout)
+out = {"probe": sandbox.probe(), "uid": os.geteuid()}
+try:
+  sandbox.require_isolation()
+  out["required"] = "no error"
+except sandbox.SandboxUnavailable as e:
+  out["required"] = str(e)
+marker = os.path.join(os.environ.get("TMPDIR", "/tmp"), "fr_closed_%d" % os.getpid())
+r = sandbox.run_python("open(%r, 'w').write('ran')" % marker)
+out["refused"] = [r.error, r.isolation, os.path.exists(marker)]
+lim = sandbox.Limits(allow_limits_only=True)
+a = sandbox.run_python("import os; print(os.getuid())", lim)
+b = sandbox.run_python("print(6 * 7)", lim)
+out["limits_only"] = [[a.ok, a.isolation, a.output.strip()], [b.ok, b.isolation, b.output.strip()]]
+out["mode"] = sandbox.isolation_mode(lim)
+print(json.dumps(out))
+"""
+
+
+@needs_userns
+@pytest.mark.parametrize("mode", MODES)
+def test_without_user_namespaces_calls_are_refused_unless_limits_only_is_allowed(
+    mode, world_readable_copy):
+  out = as_user(mode, ["tests/no_userns.py", sys.executable if mode == "root" or
+                       os.geteuid() != 0 else SYSTEM_PYTHON, "-c", WORKER],
+                world_readable_copy, timeout=120)
+  lines = out.stdout.splitlines()
+  assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-2000:])
+  r = json.loads(lines[-1])
+  assert r["probe"][0] is False and "No space left on device" in r["probe"][1], r
+  assert "needs Linux user namespaces" in r["required"], r
+  assert "allow_limits_only" in r["required"]
+  assert r["refused"] == ["sandbox_unavailable", "none", False], r  # nothing ran
+  (a_ok, a_iso, a_uid), (b_ok, b_iso, b_out) = r["limits_only"]
+  assert a_ok and b_ok and a_iso == b_iso == "limits-only" and b_out == "42", r
+  assert a_uid == str(NOBODY) if r["uid"] == 0 else a_uid == str(r["uid"])  # never as root
+  assert r["mode"] == "limits-only"
+  warnings = [ln for ln in lines if ln.startswith("LOG ") and "limits only" in ln]
+  assert len(warnings) == 1, lines  # once per process
+
+
+# --- ordinary behaviour ---
 def test_ordinary_code_runs():
   r = run_python("import math\nprint(sum(i*i for i in range(10)), math.factorial(5))")
   assert r.ok and r.output.strip() == "285 120", r
@@ -24,110 +169,13 @@ def test_ordinary_code_runs():
   assert "ZeroDivisionError" in r.output and "[tool: exited with status 1]" in r.output
 
 
-def test_infinite_loop_is_stopped():
-  r = run_python("while True:\n  pass", FAST)
-  assert not r.ok and r.error in ("killed", "timeout"), r
-  assert r.seconds < FAST.wall_seconds + 3
-  assert "[tool:" in r.output
-
-
-def test_fork_bomb_is_contained():
-  code = "import os\nwhile True:\n  try:\n    os.fork()\n  except OSError:\n    pass"
-  r = run_python(code, FAST)
-  assert not r.ok and r.seconds < FAST.wall_seconds + 5, r
-  # Nothing is left running as the sandbox user.
-  left = [p for p in os.listdir("/proc") if p.isdigit() and _uid(p) == 65534]
-  assert not left
-
-
-def _uid(pid):
-  try:
-    for line in open(f"/proc/{pid}/status"):
-      if line.startswith("Uid:"):
-        return int(line.split()[1])
-  except OSError:
-    return None
-
-
-def test_ten_gigabytes_of_memory_is_refused():
-  r = run_python("x = bytearray(10 * 2**30)\nprint('allocated')", FAST)
-  assert not r.ok and "allocated" not in r.output
-  assert "MemoryError" in r.output or r.error == "killed", r
-
-
-def test_hundred_megabytes_of_output_is_truncated():
-  lim = Limits(max_output_bytes=4096, wall_seconds=10)
-  r = run_python("import sys\nfor _ in range(100):\n  sys.stdout.write('x' * 2**20)", lim)
-  assert not r.ok and r.error == "output_limit"
-  assert len(r.output) < 4096 + 200 and r.output.endswith(
-      "[tool: output truncated at 4096 bytes; process stopped]")
-
-
-@NS
-def test_writing_outside_its_directory_leaves_nothing(tmp_path):
-  target = tmp_path / "escaped.txt"
-  repo_target = REPO / "escaped_by_sandbox.txt"
-  code = ("import os\nres = []\n"
-          f"for p in [{str(target)!r}, {str(repo_target)!r}, '/etc/escaped', '/escaped']:\n"
-          "  try:\n    open(p, 'w').write('x'); res.append('wrote ' + p)\n"
-          "  except OSError as e:\n    res.append('refused ' + p)\n"
-          "open('inside.txt', 'w').write('fine')\nprint(res, os.listdir('.'))")
-  r = run_python(code, FAST)
+def test_scratch_is_writable_and_size_limited():
+  lim = Limits(tmpfs_bytes=4 * 2**20)
+  r = run_python("import os\nopen('/tmp/a', 'w').write('x' * 1000)\n"
+                 "print(os.path.getsize('/tmp/a'), os.getcwd())\n"
+                 "try:\n  open('/tmp/b', 'wb').write(b'x' * 6 * 2**20)\n"
+                 "except OSError as e:\n  print(e.strerror)", lim)
   assert r.ok, r
-  assert not target.exists() and not repo_target.exists()
-  assert not Path("/etc/escaped").exists() and not Path("/escaped").exists()
-  assert "inside.txt" in r.output
-
-
-@NS
-def test_reading_the_repository_is_impossible():
-  probe = REPO / "fr_jax" / "objective.py"
-  assert probe.exists()
-  code = (f"import os\ntry:\n  print(open({str(probe)!r}).read()[:40])\n"
-          "except OSError as e:\n  print('refused', type(e).__name__)\n"
-          f"print(os.listdir({str(REPO)!r}) if os.path.isdir({str(REPO)!r}) else 'no repo')")
-  r = run_python(code, FAST)
-  assert r.ok, r
-  assert "refused" in r.output and "objective" not in r.output
-  assert "Makefile" not in r.output
-
-
-@NS
-def test_opening_a_socket_reaches_nothing():
-  server = socket.socket()
-  server.bind(("127.0.0.1", 0))
-  server.listen(1)
-  port = server.getsockname()[1]
-  got = []
-  t = threading.Thread(target=lambda: got.append(server.accept()), daemon=True)
-  t.start()
-  code = ("import socket\nfor host in ['127.0.0.1', '1.1.1.1']:\n  s = socket.socket()\n"
-          "  s.settimeout(2)\n  try:\n"
-          f"    s.connect((host, {port})); print('connected', host)\n"
-          "  except OSError as e:\n    print('blocked', host, type(e).__name__)")
-  r = run_python(code, FAST)
-  server.close()
-  assert "connected" not in r.output and r.output.count("blocked") == 2, r
-  assert not got
-
-
-@NS
-def test_killing_its_parent_does_not_reach_the_worker():
-  code = ("import os, signal\nprint('ppid', os.getppid())\n"
-          "for pid in [os.getppid(), 1, -1]:\n  try:\n    os.kill(pid, signal.SIGKILL)\n"
-          "  except OSError as e:\n    print('kill', pid, type(e).__name__)\n"
-          f"try:\n  os.kill({os.getpid()}, signal.SIGKILL)\nexcept OSError as e:\n"
-          "  print('worker unreachable', type(e).__name__)")
-  r = run_python(code, FAST)
-  assert r.isolation == "namespaces"
-  # This process (the worker) is alive: we are still running the test.
-  assert "worker unreachable" in r.output or r.error == "killed", r
-
-
-def test_environment_is_minimal():
-  os.environ["FR_SECRET_FOR_TEST"] = "leak"
-  try:
-    r = run_python("import os, sys\nprint(sorted(os.environ))\nprint(sys.flags.isolated)")
-  finally:
-    del os.environ["FR_SECRET_FOR_TEST"]
-  assert r.ok and "FR_SECRET_FOR_TEST" not in r.output and r.output.strip().endswith("1")
+  size, cwd = r.output.split("\n")[0].split()
+  assert size == "1000" and cwd == "/tmp/work"
+  assert "No space left on device" in r.output

@@ -1,32 +1,34 @@
 """A sandboxed Python tool: each call runs model-written code in a separate, contained process.
 
-Containment, from outside in:
-* Linux namespaces (`unshare`, where the machine allows it): a new network namespace (no
-  interfaces up: no network), a new PID namespace (the worker is invisible and cannot be
-  signalled; everything dies with the namespace) and a new mount namespace in which every
-  top-level directory but the system ones (/usr, /lib*, /bin, /sbin, /etc, /dev, /proc, /sys)
-  is covered by an empty tmpfs (the interpreter's own prefix is bound back), and /tmp is a
-  fresh size-limited scratch filesystem: the code cannot read the repository, the home
-  directory or anything mounted elsewhere, nor leave files behind.
-* A privileged supervisor (PID 1 of the namespace, which the code cannot signal) reports how
-  the code ended on a status pipe and takes any leftover process with it.
-* An unprivileged user (nobody) and resource limits: CPU seconds, address space, process
-  count, file size, open files, no core dumps.
-* The interpreter's isolated mode (`python -I -S`: no site-packages, no PYTHON* variables), an
-  empty temporary working directory and a minimal environment.
-* The caller (`run_python`) enforces the wall-clock limit and the output cap, kills the whole
-  process group on overrun, and never raises for anything the code does: the model always
-  gets a result, truncated and clearly marked when something went wrong.
+Isolation fails closed. A call runs under real isolation (Linux user namespaces, for a root
+worker and for an ordinary user alike) or, where the kernel refuses them, not at all: the
+result says `sandbox_unavailable` with the kernel's reason. `Limits(allow_limits_only=True)`
+is the explicit opt-out; that mode logs a warning once per process and `isolation_mode()`
+reports it for run summaries.
 
-Where namespaces are unavailable (not root, no `unshare`), the call still runs with the limits,
-the unprivileged user when possible, the isolated interpreter and the empty directory, and
-`ToolResult.isolation` says "limits-only".
+Containment, from outside in (`_sandbox_entry.py` has the process layout):
+* New user, mount, PID, network, IPC and UTS namespaces per call. The code sees a new root:
+  the system directories and the interpreter read-only, a few /etc files, a minimal /dev
+  (null, zero, full, random, urandom), its own /proc, and one size-limited scratch tmpfs
+  serving /tmp and /dev/shm, discarded afterwards. No network interfaces are up. SysV and
+  POSIX IPC die with the call.
+* A supervisor (PID 1 of the namespace) that the code can neither signal nor ptrace reports
+  how the code ended on a status pipe no code process holds, then kills what is left.
+* The code runs as nobody in a second user namespace (its mounts locked, no capabilities, no
+  further user namespaces, no_new_privs), with per-call limits: CPU seconds, address space,
+  processes (counted per user namespace, so one call's fork bomb cannot starve another),
+  file size, open files, no core dumps; no inherited descriptors.
+* The isolated interpreter (`python -I -S`) in an empty working directory with a minimal
+  environment. The caller enforces the wall-clock limit, the output cap and the code size,
+  kills the whole process tree on overrun, and never raises for anything the code does: the
+  model always gets a result, truncated and clearly marked when something went wrong.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import select
 import shutil
@@ -34,23 +36,33 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Optional
 
 _ENTRY = Path(__file__).with_name("_sandbox_entry.py")
-_PROJECT = Path(__file__).resolve().parents[2]
+log = logging.getLogger("fr_jax.sandbox")
 
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
   wall_seconds: float = 10.0
   cpu_seconds: int = 5
-  memory_bytes: int = 512 * 2**20  # address space
-  max_processes: int = 16
+  memory_bytes: int = 512 * 2**20  # address space, per process
+  max_processes: int = 16  # per call (threads count)
   max_output_bytes: int = 16 * 1024  # what the model sees (stdout + stderr)
   max_file_bytes: int = 8 * 2**20  # any single file the code writes
-  tmpfs_bytes: int = 32 * 2**20  # the scratch filesystem
+  tmpfs_bytes: int = 32 * 2**20  # the scratch filesystem (/tmp and /dev/shm together)
+  max_code_bytes: int = 256 * 1024  # a longer tool call is refused before anything runs
+  # Where the kernel refuses user namespaces: run the code with the limits only (as the
+  # worker's user, or nobody for root) instead of refusing the call. Unsafe: the code can
+  # then read what the worker's user can read and reach the network.
+  allow_limits_only: bool = False
+
+
+class SandboxUnavailable(RuntimeError):
+  """The kernel refuses the namespaces the sandbox needs, and limits-only is not allowed."""
 
 
 @dataclasses.dataclass
@@ -58,48 +70,54 @@ class ToolResult:
   ok: bool  # exited 0 within limits
   output: str  # what the model sees: output, marked if truncated or failed
   exit_code: Optional[int]
-  error: Optional[str]  # timeout | output_limit | nonzero_exit | killed | sandbox_error
+  # timeout | output_limit | nonzero_exit | killed | code_too_long | sandbox_error |
+  # sandbox_unavailable
+  error: Optional[str]
   seconds: float
-  isolation: str  # "namespaces" | "limits-only"
+  isolation: str  # "namespaces" | "limits-only" | "none" (refused before running)
 
 
-def _namespaces_available() -> bool:
-  if os.geteuid() != 0 or shutil.which("unshare") is None:
-    return False
-  try:
-    r = subprocess.run(["unshare", "--net", "--mount", "--pid", "--fork", "true"],
-                       capture_output=True, timeout=10)
-    return r.returncode == 0
-  except (OSError, subprocess.SubprocessError):
-    return False
+_PROBE: Optional[tuple[bool, str]] = None
+_PROBE_LOCK = threading.Lock()
+_WARNED = threading.Event()
 
 
-_NS: Optional[bool] = None
+def probe() -> tuple[bool, str]:
+  """(available, reason): whether a call gets full isolation on this machine, found once per
+  process by running an empty program through the whole namespace setup."""
+  global _PROBE
+  with _PROBE_LOCK:
+    if _PROBE is None:
+      r = _run("", Limits(wall_seconds=30.0), "namespaces")
+      why = r.output.strip().splitlines()[0] if r.output.strip() else str(r.error)
+      why = why.removeprefix("[sandbox setup failed: ").removeprefix("SetupError: ")
+      _PROBE = (True, "") if r.ok else (False, why.rstrip("]"))
+    return _PROBE
 
 
 def namespaces_available() -> bool:
-  global _NS
-  if _NS is None:
-    _NS = _namespaces_available()
-  return _NS
+  return probe()[0]
 
 
-# Top-level directories the code may see: the system, read-only to the unprivileged user.
-_VISIBLE = {"usr", "lib", "lib32", "lib64", "libx32", "bin", "sbin", "etc", "dev", "proc",
-            "sys", "tmp"}
+def isolation_mode(limits: Limits = Limits()) -> str:
+  """What a call with `limits` gets here: namespaces, limits-only or unavailable."""
+  if namespaces_available():
+    return "namespaces"
+  return "limits-only" if limits.allow_limits_only else "unavailable"
 
 
-def _hidden_paths() -> list[str]:
-  """Everything else at the top level, and the project, is covered by an empty tmpfs inside
-  the sandbox (the entry keeps the base interpreter's prefix visible if it lies under one
-  of them). /tmp is replaced by the scratch filesystem."""
-  paths = {str(_PROJECT)}
-  for name in os.listdir("/"):
-    p = os.path.join("/", name)
-    if name not in _VISIBLE and not os.path.islink(p) and (os.path.isdir(p) or
-                                                           os.path.isfile(p)):
-      paths.add(p)
-  return sorted(paths)
+def require_isolation(limits: Limits = Limits()) -> str:
+  """For a worker about to offer the tool: the isolation mode, or SandboxUnavailable with the
+  kernel's reason and the opt-out, so the run fails at start rather than on every call."""
+  mode = isolation_mode(limits)
+  if mode == "unavailable":
+    raise SandboxUnavailable(
+        f"the Python tool needs Linux user namespaces, which this machine refuses "
+        f"({probe()[1]}). Enable them (sysctl user.max_user_namespaces > 0; in a container, "
+        f"a seccomp profile that allows unshare), or set agent.allow_limits_only=True to run "
+        f"model code with resource limits only (it can then read the worker user's files and "
+        f"reach the network)")
+  return mode
 
 
 def _mark(text: str, note: str) -> str:
@@ -108,38 +126,50 @@ def _mark(text: str, note: str) -> str:
 
 def run_python(code: str, limits: Limits = Limits()) -> ToolResult:
   """Runs `code` in the sandbox and returns what it printed (never raises)."""
+  if len(code.encode("utf-8", errors="replace")) > limits.max_code_bytes:
+    return ToolResult(False, _mark("", f"code longer than {limits.max_code_bytes} bytes; "
+                                   "not run"), None, "code_too_long", 0.0, "none")
+  mode = isolation_mode(limits)
+  if mode == "unavailable":
+    return ToolResult(False, _mark("", "sandbox unavailable on this machine; not run"), None,
+                      "sandbox_unavailable", 0.0, "none")
+  if mode == "limits-only" and not _WARNED.is_set():
+    _WARNED.set()
+    log.warning("the Python tool runs model code with resource limits only: user namespaces "
+                "are unavailable (%s) and allow_limits_only is set", probe()[1])
+  return _run(code, limits, mode)
+
+
+def _run(code: str, limits: Limits, mode: str) -> ToolResult:
   t0 = time.monotonic()
-  isolation = "namespaces" if namespaces_available() else "limits-only"
   try:
     scratch = tempfile.mkdtemp(prefix="fr_tool_")
   except OSError as e:
     return ToolResult(False, _mark("", f"sandbox error: {e}"), None, "sandbox_error", 0.0,
-                      isolation)
+                      mode)
   try:
     code_file = Path(scratch) / "main.py"
     code_file.write_text(code)
     os.chmod(scratch, 0o755)
     os.chmod(code_file, 0o644)
     status_r, status_w = os.pipe()
+    python = _base_python()
     spec = {
-        "code_file": str(code_file), "python": _base_python(), "status_fd": status_w,
+        "code_file": str(code_file), "root": scratch, "python": python,
+        "prefix": os.path.realpath(sys.base_prefix), "status_fd": status_w, "mode": mode,
         "cpu": limits.cpu_seconds, "mem": limits.memory_bytes, "nproc": limits.max_processes,
         "fsize": limits.max_file_bytes, "tmpfs": limits.tmpfs_bytes,
-        "hide": _hidden_paths() if isolation == "namespaces" else [],
-        "namespaces": isolation == "namespaces",
     }
-    entry = [_base_python(), "-I", "-S", str(_ENTRY), json.dumps(spec)]
-    cmd = (["unshare", "--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc"]
-           + entry) if isolation == "namespaces" else entry
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/nonexistent"}
     try:
-      proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+      proc = subprocess.Popen([python, "-I", "-S", str(_ENTRY), json.dumps(spec)],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, cwd=scratch, env=env,
                               start_new_session=True, pass_fds=(status_w,))
     except OSError as e:
       os.close(status_r)
       return ToolResult(False, _mark("", f"sandbox error: {e}"), None, "sandbox_error",
-                        time.monotonic() - t0, isolation)
+                        time.monotonic() - t0, mode)
     finally:
       os.close(status_w)
     out, error = _collect(proc, limits, t0)
@@ -172,7 +202,7 @@ def run_python(code: str, limits: Limits = Limits()) -> ToolResult:
       text = _mark(text[-limits.max_output_bytes:], "sandbox error; the code may not have run")
     elif error == "nonzero_exit":
       text = _mark(text[-limits.max_output_bytes:], f"exited with status {code_}")
-    return ToolResult(error is None, text, code_, error, time.monotonic() - t0, isolation)
+    return ToolResult(error is None, text, code_, error, time.monotonic() - t0, mode)
   finally:
     shutil.rmtree(scratch, ignore_errors=True)
 

@@ -5,6 +5,8 @@ vocabulary and merges, and chat templates (the model's own Jinja template, or pl
 from __future__ import annotations
 
 import json
+import re
+import threading
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -67,6 +69,8 @@ class Tokenizer:
                bos_token: Optional[str] = None, eos_token: Optional[str] = None,
                add_bos: bool = False):
     self.tok = tok
+    self._plain_tok: Optional[tokenizers.Tokenizer] = None
+    self._plain_lock = threading.Lock()
     self.chat_template = chat_template
     self.bos_token, self.eos_token, self.add_bos = bos_token, eos_token, add_bos
 
@@ -154,6 +158,58 @@ class Tokenizer:
     if (self.add_bos if add_bos is None else add_bos) and self.bos_token is not None:
       ids = [self.token_id(self.bos_token)] + ids
     return ids
+
+  def encode_pieces(self, pieces: Sequence[tuple[str, bool]]) -> list[int]:
+    """Ids for text assembled from trusted pieces (the chat template: added tokens written in
+    them, such as <|im_start|> or Qwen's <tool_response>, become their ids) and untrusted ones
+    (tool output, environment observations: every added token, special or not, stays the
+    characters it is written with, so model-written code cannot forge a turn). Text between
+    two added tokens is tokenized as one run across pieces, so an untrusted piece holding no
+    added-token string encodes exactly as `encode` of the joined text would."""
+    added = self._added()
+    runs: list = []
+    text: list[str] = []
+    for piece, trusted in pieces:
+      if not trusted or added[0] is None:
+        text.append(piece)
+        continue
+      pos = 0
+      for m in added[0].finditer(piece):
+        text.append(piece[pos:m.start()])
+        runs += ["".join(text), added[1][m.group(0)]]
+        text, pos = [], m.end()
+      text.append(piece[pos:])
+    runs.append("".join(text))
+    plain = self._plain()
+    ids: list[int] = []
+    for r in runs:
+      if isinstance(r, int):
+        ids.append(r)
+      elif r:
+        ids += plain.encode(r, add_special_tokens=False).ids
+    return ids
+
+  def encode_text(self, text: str) -> list[int]:
+    """Untrusted text alone: no added token is recognised in it."""
+    return self.encode_pieces([(text, False)])
+
+  def _added(self):
+    """(a pattern matching any added token's text, longest first; text -> id)."""
+    if not hasattr(self, "_added_cache"):
+      table = {t.content: i for i, t in self.tok.get_added_tokens_decoder().items()}
+      pat = (re.compile("|".join(re.escape(t) for t in sorted(table, key=len, reverse=True)))
+             if table else None)
+      self._added_cache = (pat, table)
+    return self._added_cache
+
+  def _plain(self) -> tokenizers.Tokenizer:
+    """The same normaliser, pre-tokenizer and model with no added tokens."""
+    with self._plain_lock:
+      if self._plain_tok is None:
+        spec = json.loads(self.tok.to_str())
+        spec["added_tokens"] = []
+        self._plain_tok = tokenizers.Tokenizer.from_str(json.dumps(spec))
+      return self._plain_tok
 
   def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
     return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

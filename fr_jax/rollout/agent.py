@@ -14,23 +14,30 @@ Tool calls use the Hermes/Qwen format, one per model turn:
 The result comes back as a user turn: <tool_response>\\n...\\n</tool_response>. A model turn
 without a tool call is the final answer (single-answer environments). In interactive
 environments every model turn is a command and the observation comes back as a user turn.
+
+Model output is hostile input here. The tool-call parser is linear in the reply's length (two
+substring searches and one JSON parse, whose failures, deep nesting included, are a marked
+tool error). Tool output and observations are encoded as text: a `<|im_start|>` or
+`</tool_call>` the code prints stays characters, never a control token of the conversation.
+A loop that offers the Python tool checks at construction that the sandbox can isolate it
+(`sandbox.require_isolation`), so a run fails at start, not on every call.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from typing import Optional, Sequence
 
 import numpy as np
 
 from fr_jax.envs.base import Env, Task
-from fr_jax.envs.sandbox import Limits, run_python
+from fr_jax.envs.sandbox import Limits, require_isolation, run_python
 from fr_jax.rollout.engine import Completion, Engine, Request
 from fr_jax.trajectory import Trajectory
 
-_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>\n", "\n</tool_response>"
 MAX_TOOL_OUTPUT_CHARS = 2000
 
 
@@ -47,14 +54,21 @@ class AgentConfig:
 
 def parse_tool_call(text: str) -> tuple[Optional[str], Optional[str]]:
   """(code, error) from a model turn: code if it holds a well-formed python call, an error
-  message if it holds a malformed one, (None, None) if it holds none."""
-  m = _CALL.search(text)
-  if m is None:
+  message if it holds a malformed one, (None, None) if it holds none. The call is the text
+  between the first <tool_call> and the first </tool_call> after it, whitespace stripped;
+  linear time in len(text)."""
+  start = text.find(CALL_OPEN)
+  if start < 0:
+    return None, None
+  end = text.find(CALL_CLOSE, start + len(CALL_OPEN))
+  if end < 0:
     return None, None
   try:
-    call = json.loads(m.group(1))
+    call = json.loads(text[start + len(CALL_OPEN):end].strip())
   except json.JSONDecodeError as e:
     return None, f"tool call is not valid JSON ({e.msg})"
+  except (ValueError, RecursionError) as e:  # e.g. an int of 10^5 digits, nesting 10^5 deep
+    return None, f"tool call is not valid JSON ({type(e).__name__})"
   if not isinstance(call, dict) or call.get("name") != "python":
     return None, "unknown tool; the only tool is \"python\""
   code = (call.get("arguments") or {}).get("code") if isinstance(call.get("arguments"),
@@ -93,6 +107,9 @@ class AgentLoop:
   def __init__(self, engine: Engine, tokenizer, env: Env, cfg: AgentConfig = AgentConfig()):
     self.engine, self.tok, self.env, self.cfg = engine, tokenizer, env, cfg
     self.stop_ids = tuple(tokenizer.stop_ids())
+    # "namespaces" or "limits-only" (config-allowed); SandboxUnavailable otherwise.
+    self.tool_isolation = (require_isolation(cfg.tool_limits) if "python" in env.tools
+                           else "none")
 
   # --- text <-> tokens ---
   def _render(self, messages) -> str:
@@ -100,11 +117,11 @@ class AgentLoop:
       return self.tok.chatml(messages)
     return self.tok.apply_chat_template(messages)
 
-  def user_turn_ids(self, text: str) -> list[int]:
-    """Template tokens closing the model turn, a user turn with `text`, and the next
-    assistant header (rendered with the chat template's own separators)."""
-    return self.tok.encode(f"\n<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n",
-                           add_bos=False)
+  def user_turn_ids(self, text: str, wrap: tuple[str, str] = ("", "")) -> list[int]:
+    """Template tokens closing the model turn, a user turn with `text` (untrusted: encoded
+    as text) inside `wrap` (template), and the next assistant header."""
+    return self.tok.encode_pieces([("\n<|im_start|>user\n" + wrap[0], True), (text, False),
+                                   (wrap[1] + "<|im_end|>\n<|im_start|>assistant\n", True)])
 
   def start(self, task: Task) -> Episode:
     messages = ([{"role": "system", "content": self.env.system_prompt}]
@@ -151,7 +168,7 @@ class AgentLoop:
       if finished:
         ep.done, ep.reward = True, ep.env_episode.reward()
         return
-      reply = obs
+      reply, wrap = obs, ("", "")
     else:
       code, error = parse_tool_call(text) if "python" in self.env.tools else (None, None)
       if code is None and error is None:  # no tool call: the final answer
@@ -164,8 +181,8 @@ class AgentLoop:
         out = run_python(code, self.cfg.tool_limits).output
       if len(out) > MAX_TOOL_OUTPUT_CHARS:
         out = out[:MAX_TOOL_OUTPUT_CHARS] + "\n[tool: output truncated]"
-      reply = f"<tool_response>\n{out}\n</tool_response>"
-    ids = self.user_turn_ids(reply)
+      reply, wrap = out, (RESPONSE_OPEN, RESPONSE_CLOSE)
+    ids = self.user_turn_ids(reply, wrap)
     if ep.turns >= self.cfg.max_turns or ep.length + len(ids) >= self.cfg.max_total_tokens:
       ep.done, ep.finish_reason = True, "length"
       ep.reward = self._final_reward(ep, text)

@@ -21,14 +21,12 @@ from pathlib import Path
 
 import pytest
 
-from fr_jax.envs.escapes import ATTEMPTS
+from fr_jax.envs.escapes import ATTEMPTS, portable_copy
 from fr_jax.envs.sandbox import Limits, run_python
 
 REPO = Path(__file__).resolve().parents[1]
 NOBODY = 65534
 SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin")
-STDLIB_FILES = ["fr_jax/__init__.py", "fr_jax/envs/__init__.py", "fr_jax/envs/sandbox.py",
-                "fr_jax/envs/_sandbox_entry.py", "fr_jax/envs/escapes.py", "tests/no_userns.py"]
 
 
 def _kernel_allows_user_namespaces() -> bool:
@@ -50,14 +48,7 @@ needs_userns = pytest.mark.skipif(not USERNS, reason="this kernel refuses user n
 @pytest.fixture(scope="module")
 def world_readable_copy():
   """The stdlib-only files an unprivileged worker needs, where nobody can read them."""
-  d = tempfile.mkdtemp(prefix="fr_sandbox_user_")
-  for f in STDLIB_FILES:
-    (Path(d) / f).parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy(REPO / f, Path(d) / f)
-  for root, dirs, files in os.walk(d):
-    os.chmod(root, 0o755)
-    for f in files:
-      os.chmod(os.path.join(root, f), 0o644)
+  d = portable_copy(tempfile.mkdtemp(prefix="fr_sandbox_user_"))
   yield d
   shutil.rmtree(d, ignore_errors=True)
 

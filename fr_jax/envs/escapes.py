@@ -219,7 +219,9 @@ def _clean_status(r, host, ctx):
 
 
 def _refused_code(r, host, ctx):
-  return r.error == "code_too_long" and r.seconds < 1.0, f"{r.error} (not run)"
+  if r.error == "code_too_long":
+    return r.seconds < 1.0, "code_too_long (not run)"
+  return False, f"ran it: {r.error or 'ok'} after {r.seconds:.2f}s"
 
 
 def _ok_and_out(r, host, ctx):
@@ -402,6 +404,26 @@ ATTEMPTS = [
             "print('OUT', 'ESCAPED' if 'uid=0' in r.stdout else f'su exit {r.returncode}')",
             _ok_and_out),
 ]
+
+
+# What an unprivileged user needs to run the sandbox and this suite (all stdlib only).
+PORTABLE_FILES = ("fr_jax/__init__.py", "fr_jax/envs/__init__.py", "fr_jax/envs/sandbox.py",
+                  "fr_jax/envs/_sandbox_entry.py", "fr_jax/envs/escapes.py",
+                  "tests/no_userns.py")
+
+
+def portable_copy(dest: str, tree: Path = REPO) -> str:
+  """Copies PORTABLE_FILES of `tree` (those it has) to `dest`, readable by every user, so that
+  another user (nobody, for the tests and benchmarks) can import them from there."""
+  for f in PORTABLE_FILES:
+    if (Path(tree) / f).exists():
+      (Path(dest) / f).parent.mkdir(parents=True, exist_ok=True)
+      shutil.copy(Path(tree) / f, Path(dest) / f)
+  for root, _, files in os.walk(dest):
+    os.chmod(root, 0o755)
+    for f in files:
+      os.chmod(os.path.join(root, f), 0o644)
+  return dest
 
 
 def run_attempt(a: Attempt, host: Host) -> dict:

@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 TEST_JOBS ?= 2   # pytest-xdist processes (test files are kept whole per process)
 
-.PHONY: demo test test-all bench smoke chaos replication proto venv clean-venv help
+.PHONY: demo test test-all bench smoke chaos sandbox-check replication proto venv clean-venv help
 
 DEMO_DIR ?= runs/demo
 REPLICATION_DIR ?= runs/replication
@@ -20,6 +20,7 @@ help:
 	@echo "make bench     run the benchmarks in experiments/benchmarks/ (JSON lines)"
 	@echo "make smoke     learner + 2 worker processes over loopback gRPC, 5 updates (tiny model)"
 	@echo "make chaos     10 min of crashes, cuts, full disk, poison: lost and duplicated must be 0"
+	@echo "make sandbox-check  the tool sandbox's 25 escape attempts on this machine, as this user"
 	@echo "make replication  the paper's seven ablation comparisons, 5 seeds each (tiny model, CPU)"
 	@echo "make proto     regenerate the message classes from fr_jax/transport/fr_jax.proto"
 	@echo "make venv      only create/refresh .venv"
@@ -51,6 +52,12 @@ bench: $(STAMP)
 	$(VPY) -m experiments.benchmarks.async_pipeline
 	$(VPY) -m experiments.benchmarks.stream_load
 	$(VPY) -m experiments.benchmarks.state_growth
+	$(VPY) -m experiments.benchmarks.agent_parse
+	$(VPY) -m experiments.benchmarks.sandbox
+
+# Exit 1 if any escape attempt got out; run it as the user your workers run as.
+sandbox-check: $(STAMP)
+	$(VPY) -m fr_jax.envs.escapes
 
 smoke: $(STAMP)
 	$(VPY) -m launch.smoke

@@ -541,3 +541,60 @@ def test_backoff_restarts_after_a_stream_that_was_up(tiny_model, caplog):
     client.close()
     srv.stop(server)
     close(learner, service)
+
+
+def test_a_repeated_id_in_flight_gets_its_own_answer(tiny_model):
+  """Each push gets one answer. A record pushed again while the first copy is unacknowledged
+  (a worker bug, or a resend after its own restart) used to share the first copy's pending
+  slot: it was never sent, and one answer settled both (the CI flake of
+  test_grpc_stream_weights_heartbeat_and_malformed: no `duplicate` ack)."""
+  learner, service = system.build_service(cfg(), tiny_model)
+  offer_ = service.offer
+  first = threading.Event()
+
+  def slow_first(*a, **kw):  # the learner holds the first answer back
+    if not first.is_set():
+      first.set()
+      time.sleep(1.0)
+    return offer_(*a, **kw)
+  service.offer = slow_first
+  server, port = srv.serve(service, "127.0.0.1:0")
+  answers = []
+  client = GrpcClient(f"127.0.0.1:{port}", worker_id="w",
+                      on_ack=lambda i, ok, why: answers.append((i, ok, why)))
+  try:
+    client.push(synth(0))
+    assert first.wait(10)
+    client.push(synth(0))  # again, while the first copy is in flight
+    assert client.flush(20)
+    assert [(i, ok) for i, ok, _ in answers] == [("w/n/0", True), ("w/n/0", False)], answers
+    assert answers[1][2] == "duplicate"
+    assert client.acks == collections.Counter(admitted=1, duplicate=1)
+    assert service.rejected == collections.Counter(duplicate=1)
+  finally:
+    client.close()
+    srv.stop(server)
+    close(learner, service)
+
+
+def test_flush_returns_after_the_answers_are_counted(tiny_model):
+  """flush() means every pushed record's answer was counted and handed to on_ack; it used to
+  return as soon as the pending slot emptied, before either."""
+  learner, service = system.build_service(cfg(), tiny_model)
+  server, port = srv.serve(service, "127.0.0.1:0")
+  answers = []
+
+  def slow_on_ack(i, ok, why):
+    time.sleep(0.5)
+    answers.append(i)
+  client = GrpcClient(f"127.0.0.1:{port}", worker_id="w", on_ack=slow_on_ack)
+  try:
+    for i in range(3):
+      client.push(synth(i))
+    assert client.flush(20)
+    assert answers == ["w/n/0", "w/n/1", "w/n/2"] and sum(client.acks.values()) == 3, (answers,
+                                                                             client.acks)
+  finally:
+    client.close()
+    srv.stop(server)
+    close(learner, service)

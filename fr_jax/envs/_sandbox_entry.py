@@ -100,6 +100,19 @@ def _ro_bind(src, dst):
   _mount(None, dst, None, flags)
 
 
+def _mirror(host, root):
+  """`host` (a path) at root + host: the same symlink, or a read-only bind of the directory
+  or file; nothing if the host lacks it."""
+  if os.path.islink(host):
+    os.symlink(os.readlink(host), root + host)
+  elif os.path.isdir(host):
+    os.mkdir(root + host)
+    _ro_bind(host, root + host)
+  elif os.path.isfile(host):
+    open(root + host, "w").close()
+    _ro_bind(host, root + host)
+
+
 def _mkdirs_under(root, path):
   target = root + path
   os.makedirs(target, exist_ok=True)
@@ -113,25 +126,12 @@ def _build_root(spec):
   root = spec["root"]
   _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
   for d in SYSTEM_DIRS:
-    host = "/" + d
-    if os.path.islink(host):
-      os.symlink(os.readlink(host), root + host)
-    elif os.path.isdir(host):
-      os.mkdir(root + host)
-      _ro_bind(host, root + host)
+    _mirror("/" + d, root)
   bound = [("/" + d) for d in SYSTEM_DIRS if os.path.isdir("/" + d)
            and not os.path.islink("/" + d)]
   os.mkdir(root + "/etc", 0o755)
   for name in ETC:
-    host = "/etc/" + name
-    if os.path.islink(host):
-      os.symlink(os.readlink(host), root + host)
-    elif os.path.isdir(host):
-      os.mkdir(root + host)
-      _ro_bind(host, root + host)
-    elif os.path.isfile(host):
-      open(root + host, "w").close()
-      _ro_bind(host, root + host)
+    _mirror("/etc/" + name, root)
   prefix = os.path.realpath(spec["prefix"])
   if not any(prefix == b or prefix.startswith(b + "/") for b in bound):
     _ro_bind(prefix, _mkdirs_under(root, prefix))

@@ -19,62 +19,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import secrets
 import shutil
-import socket
 import string
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from fr_jax.envs.escape_host import (REPO, Host, _host_shm, _in_other_pid_ns,
+                                     _sandbox_leftovers, _sysv_segments)
 from fr_jax.envs.sandbox import Limits, ToolResult, probe, run_python
 
-REPO = Path(__file__).resolve().parents[2]
 QUICK = Limits(wall_seconds=5.0, cpu_seconds=2)
-
-
-class Host:
-  """What the worker's side holds that the code must not reach."""
-
-  def __init__(self):
-    self.token = secrets.token_hex(16)
-    os.environ["FR_JAX_TOKEN"] = self.token  # as launch.worker's environment would hold it
-    self.dir = tempfile.mkdtemp(prefix="fr_escape_")
-    os.chmod(self.dir, 0o777)  # writable by anyone who can reach it
-    self.tcp = socket.socket()
-    self.tcp.bind(("127.0.0.1", 0))
-    self.tcp.listen(8)
-    self.port = self.tcp.getsockname()[1]
-    self.abstract = f"fr_jax_escape_{secrets.token_hex(4)}"
-    self.unix = socket.socket(socket.AF_UNIX)
-    self.unix.bind("\0" + self.abstract)
-    self.unix.listen(8)
-    self.connections: list[str] = []
-    for s, name in ((self.tcp, "tcp"), (self.unix, "abstract unix")):
-      threading.Thread(target=self._accept, args=(s, name), daemon=True).start()
-
-  def _accept(self, s, name):
-    while True:
-      try:
-        c, _ = s.accept()
-      except OSError:
-        return
-      self.connections.append(name)
-      c.close()
-
-  def values(self) -> dict:
-    return dict(port=self.port, abstract=self.abstract, token=self.token, host_dir=self.dir,
-                repo=str(REPO), probe_file=str(Path(__file__).resolve()),
-                worker_pid=os.getpid())
-
-  def close(self):
-    self.tcp.close()
-    self.unix.close()
-    os.environ.pop("FR_JAX_TOKEN", None)
-    shutil.rmtree(self.dir, ignore_errors=True)
 
 
 @dataclasses.dataclass
@@ -91,50 +48,6 @@ class Attempt:
 def _out(r: ToolResult) -> str:
   lines = [ln for ln in r.output.splitlines() if ln.startswith("OUT ")]
   return "; ".join(ln[4:] for ln in lines) or (r.error or "ok")
-
-
-def _in_other_pid_ns() -> set[int]:
-  """Processes of the sandbox's users in another PID namespace than ours."""
-  mine = os.readlink("/proc/self/ns/pid")
-  out = set()
-  for p in os.listdir("/proc"):
-    if p.isdigit():
-      try:
-        if os.readlink(f"/proc/{p}/ns/pid") != mine and _uid(p) in (65534, os.geteuid()):
-          out.add(int(p))
-      except OSError:
-        continue
-  return out
-
-
-def _sandbox_leftovers(before: set, timeout: float = 3.0) -> list[int]:
-  """A call's processes still alive after it returned (and a grace period)."""
-  t_end = time.monotonic() + timeout
-  while True:
-    left = sorted(_in_other_pid_ns() - before)
-    if not left or time.monotonic() > t_end:
-      return left
-    time.sleep(0.05)
-
-
-def _uid(pid) -> Optional[int]:
-  try:
-    with open(f"/proc/{pid}/status") as f:
-      for line in f:
-        if line.startswith("Uid:"):
-          return int(line.split()[1])
-  except OSError:
-    return None
-  return None
-
-
-def _sysv_segments() -> set[str]:
-  with open("/proc/sysvipc/shm") as f:
-    return {ln.split()[1] for ln in f.readlines()[1:] if ln.split()}
-
-
-def _host_shm() -> set[str]:
-  return set(os.listdir("/dev/shm"))
 
 
 # --- checks ---
@@ -409,6 +322,7 @@ ATTEMPTS = [
 # What an unprivileged user needs to run the sandbox and this suite (all stdlib only).
 PORTABLE_FILES = ("fr_jax/__init__.py", "fr_jax/envs/__init__.py", "fr_jax/envs/sandbox.py",
                   "fr_jax/envs/_sandbox_entry.py", "fr_jax/envs/escapes.py",
+                  "fr_jax/envs/escape_host.py",
                   "tests/no_userns.py")
 
 

@@ -103,6 +103,7 @@ class GrpcClient:
     self._outbox: collections.deque = collections.deque()  # pushed, not yet sent
     self._pending: collections.OrderedDict = collections.OrderedDict()  # sent, not acked
     self._gen = 0  # the current stream; older ones may no longer take records
+    self._settling = 0  # answers taken off _pending, not yet counted and given to on_ack
     self.outbox_size = outbox_size
     self.max_unacked = max_unacked  # gRPC would otherwise buffer the whole outbox
     self.on_ack = on_ack
@@ -140,7 +141,9 @@ class GrpcClient:
           todo = [m for i, m in self._pending.items() if i not in sent]
           if todo:
             break
-          if self._outbox and len(self._pending) < self.max_unacked:
+          # A repeated id waits for the first copy's answer: each push gets its own.
+          if (self._outbox and len(self._pending) < self.max_unacked
+              and self._outbox[0].traj_id not in self._pending):
             m = self._outbox.popleft()
             self._pending[m.traj_id] = m
             self._cv.notify_all()
@@ -166,12 +169,17 @@ class GrpcClient:
             continue  # not an answer: the record stays pending and goes again
           with self._cv:
             settled = self._pending.pop(ack.traj_id, None) is not None
-            self._cv.notify_all()
+            self._settling += settled
           if not settled:  # a second answer for a record already settled
             continue
-          self.acks["admitted" if ack.admitted else ack.reason] += 1
-          if self.on_ack is not None:
-            self.on_ack(ack.traj_id, ack.admitted, ack.reason)
+          try:
+            self.acks["admitted" if ack.admitted else ack.reason] += 1
+            if self.on_ack is not None:
+              self.on_ack(ack.traj_id, ack.admitted, ack.reason)
+          finally:
+            with self._cv:
+              self._settling -= 1
+              self._cv.notify_all()
         time.sleep(self.backoff_min)  # the learner ended the stream: open another
       except grpc.RpcError as e:
         if self._closed.is_set():
@@ -185,10 +193,11 @@ class GrpcClient:
         backoff = min(backoff * 2, self.backoff_max)
 
   def flush(self, timeout: float = 30.0) -> bool:
-    """Waits until every pushed record is acknowledged; False on timeout."""
+    """Waits until every pushed record's answer is counted in `acks` and given to `on_ack`;
+    False on timeout."""
     t_end = time.monotonic() + timeout
     with self._cv:
-      while self._outbox or self._pending:
+      while self._outbox or self._pending or self._settling:
         left = t_end - time.monotonic()
         if left <= 0:
           return False

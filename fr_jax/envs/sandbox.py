@@ -80,6 +80,7 @@ class ToolResult:
 _PROBE: Optional[tuple[bool, str]] = None
 _PROBE_LOCK = threading.Lock()
 _WARNED = threading.Event()
+_WARN_LOCK = threading.Lock()
 
 
 def probe() -> tuple[bool, str]:
@@ -117,7 +118,19 @@ def require_isolation(limits: Limits = Limits()) -> str:
         f"a seccomp profile that allows unshare), or set agent.allow_limits_only=True to run "
         f"model code with resource limits only (it can then read the worker user's files and "
         f"reach the network)")
+  if mode == "limits-only":
+    _warn_limits_only()
   return mode
+
+
+def _warn_limits_only():
+  """The limits-only warning, once per process (threads may race here)."""
+  with _WARN_LOCK:
+    first = not _WARNED.is_set()
+    _WARNED.set()
+  if first:
+    log.warning("the Python tool runs model code with resource limits only: user namespaces "
+                "are unavailable (%s) and allow_limits_only is set", probe()[1])
 
 
 def _mark(text: str, note: str) -> str:
@@ -133,10 +146,8 @@ def run_python(code: str, limits: Limits = Limits()) -> ToolResult:
   if mode == "unavailable":
     return ToolResult(False, _mark("", "sandbox unavailable on this machine; not run"), None,
                       "sandbox_unavailable", 0.0, "none")
-  if mode == "limits-only" and not _WARNED.is_set():
-    _WARNED.set()
-    log.warning("the Python tool runs model code with resource limits only: user namespaces "
-                "are unavailable (%s) and allow_limits_only is set", probe()[1])
+  if mode == "limits-only":
+    _warn_limits_only()
   return _run(code, limits, mode)
 
 

@@ -71,6 +71,7 @@ class Tokenizer:
     self.tok = tok
     self._plain_tok: Optional[tokenizers.Tokenizer] = None
     self._plain_lock = threading.Lock()
+    self._added_cache: Optional[tuple] = None
     self.chat_template = chat_template
     self.bos_token, self.eos_token, self.add_bos = bos_token, eos_token, add_bos
 
@@ -195,7 +196,7 @@ class Tokenizer:
 
   def _added(self):
     """(a pattern matching any added token's text, longest first; text -> id)."""
-    if not hasattr(self, "_added_cache"):
+    if self._added_cache is None:
       table = {t.content: i for i, t in self.tok.get_added_tokens_decoder().items()}
       pat = (re.compile("|".join(re.escape(t) for t in sorted(table, key=len, reverse=True)))
              if table else None)

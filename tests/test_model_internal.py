@@ -45,23 +45,6 @@ def test_packed_equals_separate(name):
     col += len(ids)
 
 
-def test_causal_block_attention_equals_full_attention():
-  rng = np.random.default_rng(7)
-  q = jnp.asarray(rng.standard_normal((2, 30, 4, 8)), jnp.float32)
-  k = jnp.asarray(rng.standard_normal((2, 30, 2, 8)), jnp.float32)
-  v = jnp.asarray(rng.standard_normal((2, 30, 2, 8)), jnp.float32)
-  seg = np.repeat([[1, 2, 3, 0], [1, 1, 2, 0]], [9, 12, 7, 2], axis=1)  # packed, padded tail
-  mask = decoder.packed_mask(jnp.asarray(seg))
-  full = lambda q, k, v: decoder.attention(q, k, v, mask, jnp.float32)  # noqa: E731
-  blocked = lambda q, k, v: decoder.causal_block_attention(q, k, v, mask, jnp.float32,  # noqa
-                                                           block=8)
-  np.testing.assert_allclose(blocked(q, k, v), full(q, k, v), atol=1e-6)
-  g_full = jax.jit(jax.grad(lambda *a: (full(*a) ** 2).sum(), argnums=(0, 1, 2)))(q, k, v)
-  g_blk = jax.jit(jax.grad(lambda *a: (blocked(*a) ** 2).sum(), argnums=(0, 1, 2)))(q, k, v)
-  for a, b in zip(g_full, g_blk):
-    np.testing.assert_allclose(a, b, atol=1e-5)
-
-
 @pytest.mark.parametrize("name", TINY)
 def test_kv_cache_decode_equals_full_forward(name):
   m = registry.load(name, seed=2)

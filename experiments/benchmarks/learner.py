@@ -2,12 +2,18 @@ r"""Benchmark: the full learner update (score + FlashREINFORCE loss + backward +
 for SmolLM2-135M, fr_jax against a PyTorch + transformers peer on the same data.
 
   .venv/bin/python -m experiments.benchmarks.learner [--repeats=3] [--cases=fixed,ragged]
+  .venv/bin/python -m experiments.benchmarks.learner --cases=long [--long_lens=4096,8192]
 
 Cases:
   fixed:  B=8 trajectories of 256 tokens (64 prompt + 192 completion, 10% tool tokens).
   ragged: B=16 trajectories, prompts 30-120 tokens, lognormal completions (median 160,
           sigma 0.8, capped at 900): fr_jax packs them into 1024-token rows; the peer pads
           to the longest, as a padded implementation does.
+  long:   one packed row of --long_lens tokens each (256 prompt + the rest completion), one
+          fresh process per length: the compiled update's memory (XLA memory_analysis: temp,
+          arguments, outputs), the process's peak RSS, compile and update time. No peer. The
+          trust gate is off (delta=inf) and behaviour log-probs are constant: memory and work
+          do not depend on them.
 Behaviour log-probs are the model's own plus small noise, so the trust gate admits most.
 
 fr_jax runs `Learner.update` (packing, transfer, compiled step, metrics) in f32 and with
@@ -35,6 +41,9 @@ flags.DEFINE_integer("repeats", 3, "timed updates per implementation (median rep
 flags.DEFINE_list("cases", ["fixed", "ragged"], "which cases to run")
 flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "fr_jax compute dtypes")
 flags.DEFINE_bool("torch_peer", True, "run the PyTorch + transformers peer")
+flags.DEFINE_list("long_lens", ["4096", "8192", "16384"], "row lengths of the long case")
+flags.DEFINE_string("attention", None, "model.attention for fr_jax (default: the config's)")
+flags.DEFINE_integer("long_one", 0, "internal: measure one long row of this many tokens")
 F = flags.FLAGS
 
 CASES = {
@@ -133,9 +142,78 @@ def torch_peer(trajs, cfg, repeats, delta):
   return med, ts, int(B * Lmax), torch.__version__, transformers.__version__
 
 
+def long_one(L):
+  """One long row through Learner.update, in this (fresh) process: emits its `long` line."""
+  import resource
+  import time
+  from fr_jax.learner import config as lcfg
+  from fr_jax.learner.learner import Learner
+  from fr_jax.models import registry
+  from fr_jax.trajectory import Trajectory
+  model = registry.load("smollm2-135m-instruct")
+  rng = np.random.default_rng(L)
+  P, C = 256, L - 256
+  t = Trajectory(f"long{L}", rng.integers(0, model.config.vocab_size, P),
+                 rng.integers(0, model.config.vocab_size, C), np.ones(C, bool),
+                 np.full(C, -1.0, np.float32), 1.0, 0)
+  c = lcfg.default_config()
+  c.batch_size = 1
+  c.objective.delta = float("inf")
+  c.packing.row_len = L
+  c.packing.row_buckets = (1,)
+  c.log.peak_flops = 1e11  # not measured here: no MFU in this case
+  if F.attention:
+    c.model.attention = F.attention
+  learner = Learner(c, model=model)
+  t0 = time.perf_counter()
+  learner.update([t], log_ids=False)
+  first = time.perf_counter() - t0
+  (exe, _), = learner._compiled.values()
+  mem = exe.memory_analysis()
+  rss_after_first = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  t0 = time.perf_counter()
+  learner.update([t], log_ids=False)
+  again = time.perf_counter() - t0
+  mib = lambda b: round(b / 2**20, 1)  # noqa: E731
+  emit("long", row_len=L, attention=c.model.get("attention", "(no such option)"),
+       temp_mib=mib(mem.temp_size_in_bytes), argument_mib=mib(mem.argument_size_in_bytes),
+       output_mib=mib(mem.output_size_in_bytes),
+       peak_rss_mib=mib(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024),
+       peak_rss_after_first_update_mib=mib(rss_after_first),
+       first_update_s=round(first, 1), update_s=round(again, 1),
+       tokens_per_s=round((L - 1) / again, 1))
+  learner.close()
+
+
+def long_case():
+  """Each length in a fresh process (peak RSS is per process); passes their lines on."""
+  import json
+  import subprocess
+  import sys
+  rows = []
+  for L in map(int, F.long_lens):
+    cmd = [sys.executable, "-m", "experiments.benchmarks.learner", f"--long_one={L}"]
+    if F.attention:
+      cmd.append(f"--attention={F.attention}")
+    print(f"[learner bench] long row of {L} tokens ...", file=sys.stderr, flush=True)
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [ln for ln in r.stdout.splitlines() if '"kind": "long"' in ln]
+    if r.returncode != 0 or not lines:
+      emit("long", row_len=L, error=f"exit {r.returncode}: {r.stderr.strip()[-500:]}")
+      continue
+    print(lines[-1], flush=True)
+    rows.append(json.loads(lines[-1]))
+  for a, b in zip(rows, rows[1:]):
+    emit("long_growth", from_len=a["row_len"], to_len=b["row_len"],
+         temp_ratio=round(b["temp_mib"] / a["temp_mib"], 2),
+         peak_rss_ratio=round(b["peak_rss_mib"] / a["peak_rss_mib"], 2))
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
+  if F.long_one:
+    return long_one(F.long_one)
   import jax
   from fr_jax.learner import config as lcfg
   from fr_jax.learner.learner import Learner, measure_peak_flops
@@ -149,6 +227,9 @@ def main(argv):
   rng = np.random.default_rng(0)
   summary = {}
   for case in F.cases:
+    if case == "long":
+      long_case()
+      continue
     trajs = make_trajectories(case, model.config.vocab_size, rng)
     set_behaviour_logp(trajs, model.params, model.config, CASES[case]["row_len"], rng)
     n_tok = sum(t.length - 1 for t in trajs)
@@ -162,6 +243,8 @@ def main(argv):
       c.packing.row_len = CASES[case]["row_len"]
       c.packing.row_buckets = CASES[case]["buckets"]
       c.log.peak_flops = peaks[dtype]
+      if F.attention:
+        c.model.attention = F.attention
       learner = Learner(c, model=model)
       ms = []
       med, ts = timed(lambda: ms.append(learner.update(trajs, log_ids=False)), F.repeats)

@@ -12,6 +12,7 @@ import math
 import ml_collections
 
 from fr_jax import objective as obj
+from fr_jax.models.config import ATTENTION_IMPLS
 
 LOSSES = ("flash_reinforce", "grpo")
 
@@ -23,6 +24,9 @@ def default_config() -> ml_collections.ConfigDict:
       param_dtype="float32",  # master weights
       compute_dtype="float32",  # bfloat16: bf16 matmuls, f32 master weights
       remat=True,  # recompute each layer in the backward pass (less memory, faster on CPU)
+      # auto (naive for rows of one block, flash above), naive or flash: see
+      # fr_jax.models.attention. Flash keeps attention memory linear in the row length.
+      attention="auto",
       seed=0,  # init seed for random (tiny) models
   ))
   c.objective = ml_collections.ConfigDict(dict(
@@ -98,6 +102,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     raise ConfigError(f"optim.lr={c.optim.lr} must be >= 0 and optim.total_steps >= 1")
   if not 0 <= c.optim.min_lr_ratio <= 1 or not 0 <= c.optim.warmup_frac < 1:
     raise ConfigError("optim.min_lr_ratio must be in [0, 1] and optim.warmup_frac in [0, 1)")
+  if c.model.attention not in ATTENTION_IMPLS:
+    raise ConfigError(f"model.attention={c.model.attention!r}: choose one of {ATTENTION_IMPLS}")
   if c.model.compute_dtype not in ("float32", "bfloat16") or \
      c.model.param_dtype not in ("float32", "bfloat16"):
     raise ConfigError("model.param_dtype and model.compute_dtype must be float32 or bfloat16")

@@ -31,6 +31,7 @@ from fr_jax.learner import mesh as meshlib
 from fr_jax.learner import optim, step
 from fr_jax.learner.metrics import MetricsWriter
 from fr_jax.models import decoder, registry
+from fr_jax.models.attention import packed_visibility
 from fr_jax.models.hf_io import save_hf
 from fr_jax.packing import PackingSpec, pack
 from fr_jax.trajectory import Trajectory, validate
@@ -69,7 +70,8 @@ class Learner:
       model = registry.load(c.model.name, param_dtype=c.model.param_dtype,
                             compute_dtype=c.model.compute_dtype, seed=c.model.seed)
     self.model_config = model.config.replace(param_dtype=c.model.param_dtype,
-                                             compute_dtype=c.model.compute_dtype)
+                                             compute_dtype=c.model.compute_dtype,
+                                             attention=c.model.attention)
     self.tokenizer = model.tokenizer
     self.mesh = meshlib.make_mesh(c.mesh.data, c.mesh.fsdp, devices)
     self.spec = PackingSpec(c.packing.row_len, tuple(c.packing.row_buckets),
@@ -154,7 +156,7 @@ class Learner:
     def layer_loss(lp, h, seg):
       pos = jnp.broadcast_to(jnp.arange(L), (R, L))
       cos, sin = decoder.rope_tables(cfg, pos)
-      fn = lambda lp, h: decoder._layer(cfg, h, lp, cos, sin, decoder.packed_mask(seg),  # noqa
+      fn = lambda lp, h: decoder._layer(cfg, h, lp, cos, sin, packed_visibility(seg),  # noqa
                                         None, 0, None)[0]
       if self.step_config.remat:
         fn = jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)

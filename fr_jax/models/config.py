@@ -10,6 +10,7 @@ import numpy as np
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16")
+ATTENTION_IMPLS = ("auto", "naive", "flash")
 
 
 class ConfigError(ValueError):
@@ -40,6 +41,8 @@ class ModelConfig:
   eos_token_id: Optional[int] = None
   param_dtype: str = "float32"  # storage dtype of parameters
   compute_dtype: str = "float32"  # matmul inputs; accumulation and norms stay f32
+  # auto | naive | flash (fr_jax.models.attention): how attention is computed, not what.
+  attention: str = "auto"
 
   def __post_init__(self):
     if self.family not in FAMILIES:
@@ -47,6 +50,8 @@ class ModelConfig:
     for f in ("param_dtype", "compute_dtype"):
       if getattr(self, f) not in DTYPES:
         raise ConfigError(f"{f}={getattr(self, f)!r}: choose one of {DTYPES}")
+    if self.attention not in ATTENTION_IMPLS:
+      raise ConfigError(f"attention={self.attention!r}: choose one of {ATTENTION_IMPLS}")
     if self.num_heads % self.num_kv_heads:
       raise ConfigError(f"num_heads={self.num_heads} is not a multiple of "
                         f"num_kv_heads={self.num_kv_heads} (grouped-query attention)")

@@ -10,7 +10,8 @@ the edges). Layer weights are stacked on a leading axis and applied with `lax.sc
 
 Forward modes (all the same `forward`):
 * packed: tokens [R, L], positions [R, L], segment_ids [R, L]; attention is causal within a
-  segment and blocked across segments (segment 0 is padding);
+  segment and blocked across segments (segment 0 is padding); rows longer than one block use
+  the flash kernel (`fr_jax.models.attention`, `ModelConfig.attention`), O(L) memory;
 * cached: tokens [B, T] at positions [B, T] (contiguous per row) written into a preallocated
   KV cache, attending to cache entries at positions <= the query's. Prefill is T = prompt
   length, decode is T = 1.
@@ -28,11 +29,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from fr_jax.models.attention import attend, cache_visibility, packed_visibility
 from fr_jax.models.config import ModelConfig
 
 Params = dict[str, Any]
 F32 = jnp.float32
-_NEG = -1e30  # additive mask value (finite, so fully masked rows stay NaN-free)
 
 # Per-layer parameter names -> shapes (without the leading layer axis).
 
@@ -131,50 +132,6 @@ def apply_rope(x, cos, sin):
   return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
 
 
-def packed_mask(segment_ids):
-  """[R, L, L] bool: same segment and key index <= query index."""
-  L = segment_ids.shape[-1]
-  causal = jnp.arange(L)[:, None] >= jnp.arange(L)[None, :]
-  same = segment_ids[:, :, None] == segment_ids[:, None, :]
-  return same & causal[None]
-
-
-def cache_mask(positions, cache_len):
-  """[B, T, S] bool: cache slot index <= the query's position."""
-  return jnp.arange(cache_len)[None, None, :] <= positions[:, :, None]
-
-
-def attention(q, k, v, mask, cd):
-  """q [B, L, H, hd], k/v [B, S, KVH, hd], mask [B, L, S] -> [B, L, H, hd] (f32)."""
-  B, L, H, hd = q.shape
-  kvh = k.shape[2]
-  q = q.reshape(B, L, kvh, H // kvh, hd)
-  scores = jnp.einsum("blkgd,bskd->bkgls", q.astype(cd), k.astype(cd),
-                      preferred_element_type=F32) * (hd ** -0.5)
-  scores = jnp.where(mask[:, None, None], scores, _NEG)
-  probs = jax.nn.softmax(scores, axis=-1)
-  out = jnp.einsum("bkgls,bskd->blkgd", probs.astype(cd), v.astype(cd),
-                   preferred_element_type=F32)
-  return out.reshape(B, L, H, hd)
-
-
-ATTENTION_BLOCK = 256  # query block for packed causal attention
-
-
-def causal_block_attention(q, k, v, mask, cd, block=ATTENTION_BLOCK):
-  """`attention` for packed causal rows, query block by query block: block j only attends
-  to keys [0, end of block j), so the masked upper triangle is mostly never computed and the
-  score matrices stay [block, <= L]. Same result as `attention` with a causal mask."""
-  L = q.shape[1]
-  if L <= block:
-    return attention(q, k, v, mask, cd)
-  outs = []
-  for s in range(0, L, block):
-    e = min(s + block, L)
-    outs.append(attention(q[:, s:e], k[:, :e], v[:, :e], mask[:, s:e, :e], cd))
-  return jnp.concatenate(outs, axis=1)
-
-
 def _write_cache(cache, new, layer, start):
   """cache [NL, B, S, KVH, hd] <- new [B, T, KVH, hd] at layer `layer`, positions start[b] + t.
   A scatter into the carried buffer, updated in place: only the new entries move."""
@@ -184,7 +141,7 @@ def _write_cache(cache, new, layer, start):
   return cache.at[layer, rows, cols].set(new.astype(cache.dtype))
 
 
-def _layer(cfg: ModelConfig, h, lp, cos, sin, mask, cache_kv, layer, cache_start):
+def _layer(cfg: ModelConfig, h, lp, cos, sin, vis, cache_kv, layer, cache_start):
   cd = jnp.dtype(cfg.compute_dtype)
   B, L, _ = h.shape
   H, KVH, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -200,9 +157,8 @@ def _layer(cfg: ModelConfig, h, lp, cos, sin, mask, cache_kv, layer, cache_start
     ck = _write_cache(cache_kv[0], k, layer, cache_start)
     cv = _write_cache(cache_kv[1], v, layer, cache_start)
     cache_kv = (ck, cv)
-    a = attention(q, ck[layer], cv[layer], mask, cd)
-  else:
-    a = causal_block_attention(q, k, v, mask, cd)
+    k, v = ck[layer], cv[layer]
+  a = attend(q, k, v, vis, cd, cfg.attention)
   a = a.reshape(B, L, H * hd)
   h = h + dense(a, lp["wo"], lp.get("bo"), cd)
   x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
@@ -224,11 +180,11 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, segment_ids=Non
   h = params["embed"][tokens].astype(F32)
   cos, sin = rope_tables(cfg, positions)
   if cache is not None:
-    mask = cache_mask(positions, cache["k"].shape[2])
+    vis = cache_visibility(positions, cache["k"].shape[2])
     start = positions[:, 0]
   else:
     seg = jnp.ones_like(tokens) if segment_ids is None else jnp.asarray(segment_ids)
-    mask = packed_mask(seg)
+    vis = packed_visibility(seg)
     start = None
 
   # The cache rides in the scan carry (updated in place), not in xs/ys (which would copy
@@ -236,7 +192,7 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, segment_ids=Non
   def body(carry, xs):
     h, kv = carry
     lp, layer = xs
-    h, kv = _layer(cfg, h, lp, cos, sin, mask, kv, layer, start)
+    h, kv = _layer(cfg, h, lp, cos, sin, vis, kv, layer, start)
     return (h, kv), None
 
   if remat:

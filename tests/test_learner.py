@@ -71,6 +71,40 @@ def test_mesh_4x2_equals_single_device():
   assert max_diff(single.params, registry.load("tiny-llama").params) > 2e-3  # it trained
 
 
+def test_optimizer_state_is_sharded_like_the_parameters():
+  """Adam's moments are as large as the parameters: with fsdp they must be split the same
+  way, or every device holds them whole (they were replicated: zeros_like carries no
+  sharding)."""
+  L = Learner(tiny_config(**{"mesh.data": 2, "mesh.fsdp": 4}))
+  params = L.state.params
+  moments = [x for x in jax.tree.leaves(L.state.opt_state) if np.ndim(x) > 0]
+  flat_p = {np.shape(p): p.sharding.spec for p in jax.tree.leaves(params)}
+  sharded = 0
+  for m in moments:
+    assert m.sharding.spec == flat_p[np.shape(m)], (np.shape(m), m.sharding.spec)
+    sharded += m.sharding.spec != jax.sharding.PartitionSpec()
+  assert sharded >= 2 * len(jax.tree.leaves(params["layers"]))  # mu and nu of every layer
+  L.close()
+
+
+def test_update_compiled_from_shapes_is_the_learners_own():
+  """compile_update_from_shapes (what a config too large for this machine needs per device)
+  builds the program the Learner runs: same per-device memory and FLOPs as the executable
+  the Learner compiled for a real batch of the same shape, on the same 2 x 4 mesh."""
+  from fr_jax.learner.learner import compile_update_from_shapes
+  c = tiny_config(**{"mesh.data": 2, "mesh.fsdp": 4})
+  L = Learner(c)
+  L.update(batches(1)[0])
+  ((kind, shape, _), (exe, _)), = L._compiled.items()
+  abstract, mesh = compile_update_from_shapes(c, registry.load("tiny-llama").config, shape[0])
+  assert dict(mesh.shape) == {"data": 2, "fsdp": 4} and kind == "update"
+  m1, m2 = exe.memory_analysis(), abstract.memory_analysis()
+  for f in ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes"):
+    assert getattr(m1, f) == getattr(m2, f), f
+  assert exe.cost_analysis()["flops"] == abstract.cost_analysis()["flops"]
+  L.close()
+
+
 def test_grad_accumulation_over_4_micro_batches_equals_one_pass():
   (b,) = batches(1, fixed_completion=40)  # 45-56 tokens each: one per 64-token row
   c = tiny_config(**{"packing.row_len": 64})

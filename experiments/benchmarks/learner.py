@@ -11,7 +11,8 @@ Cases:
           to the longest, as a padded implementation does.
   long:   one packed row of --long_lens tokens each (256 prompt + the rest completion), one
           fresh process per length: the compiled update's memory (XLA memory_analysis: temp,
-          arguments, outputs), the process's peak RSS, compile and update time. No peer. The
+          arguments, outputs) and compile time, then (unless --nolong_run) the process's
+          peak RSS and the time of one update. No peer. The
           trust gate is off (delta=inf) and behaviour log-probs are constant: memory and work
           do not depend on them.
 Behaviour log-probs are the model's own plus small noise, so the trust gate admits most.
@@ -44,6 +45,8 @@ flags.DEFINE_bool("torch_peer", True, "run the PyTorch + transformers peer")
 flags.DEFINE_list("long_lens", ["4096", "8192", "16384"], "row lengths of the long case")
 flags.DEFINE_string("attention", None, "model.attention for fr_jax (default: the config's)")
 flags.DEFINE_integer("long_one", 0, "internal: measure one long row of this many tokens")
+flags.DEFINE_bool("long_run", True, "long case: also run one update (peak RSS, time), not "
+                  "only compile it")
 F = flags.FLAGS
 
 CASES = {
@@ -166,22 +169,21 @@ def long_one(L):
     c.model.attention = F.attention
   learner = Learner(c, model=model)
   t0 = time.perf_counter()
-  learner.update([t], log_ids=False)
-  first = time.perf_counter() - t0
-  (exe, _), = learner._compiled.values()
+  _, stats, dbs = learner._micro_batches([t], 1.0, None)
+  exe, _ = learner._executable("update", learner.state, None, dbs[0], stats)
+  compile_s = time.perf_counter() - t0
   mem = exe.memory_analysis()
-  rss_after_first = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-  t0 = time.perf_counter()
-  learner.update([t], log_ids=False)
-  again = time.perf_counter() - t0
   mib = lambda b: round(b / 2**20, 1)  # noqa: E731
-  emit("long", row_len=L, attention=c.model.get("attention", "(no such option)"),
-       temp_mib=mib(mem.temp_size_in_bytes), argument_mib=mib(mem.argument_size_in_bytes),
-       output_mib=mib(mem.output_size_in_bytes),
-       peak_rss_mib=mib(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024),
-       peak_rss_after_first_update_mib=mib(rss_after_first),
-       first_update_s=round(first, 1), update_s=round(again, 1),
-       tokens_per_s=round((L - 1) / again, 1))
+  row = dict(row_len=L, attention=c.model.get("attention", "(no such option)"),
+             temp_mib=mib(mem.temp_size_in_bytes), argument_mib=mib(mem.argument_size_in_bytes),
+             output_mib=mib(mem.output_size_in_bytes), compile_s=round(compile_s, 1))
+  if F.long_run:
+    t0 = time.perf_counter()
+    learner.update([t], log_ids=False)  # the compiled executable above
+    dt = time.perf_counter() - t0
+    row.update(peak_rss_mib=mib(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024),
+               update_s=round(dt, 1), tokens_per_s=round((L - 1) / dt, 1))
+  emit("long", **row)
   learner.close()
 
 
@@ -192,7 +194,8 @@ def long_case():
   import sys
   rows = []
   for L in map(int, F.long_lens):
-    cmd = [sys.executable, "-m", "experiments.benchmarks.learner", f"--long_one={L}"]
+    cmd = [sys.executable, "-m", "experiments.benchmarks.learner", f"--long_one={L}",
+           f"--long_run={F.long_run}"]
     if F.attention:
       cmd.append(f"--attention={F.attention}")
     print(f"[learner bench] long row of {L} tokens ...", file=sys.stderr, flush=True)
@@ -204,9 +207,10 @@ def long_case():
     print(lines[-1], flush=True)
     rows.append(json.loads(lines[-1]))
   for a, b in zip(rows, rows[1:]):
-    emit("long_growth", from_len=a["row_len"], to_len=b["row_len"],
-         temp_ratio=round(b["temp_mib"] / a["temp_mib"], 2),
-         peak_rss_ratio=round(b["peak_rss_mib"] / a["peak_rss_mib"], 2))
+    growth = dict(temp_ratio=round(b["temp_mib"] / a["temp_mib"], 2))
+    if "peak_rss_mib" in a and "peak_rss_mib" in b:
+      growth["peak_rss_ratio"] = round(b["peak_rss_mib"] / a["peak_rss_mib"], 2)
+    emit("long_growth", from_len=a["row_len"], to_len=b["row_len"], **growth)
 
 
 def main(argv):

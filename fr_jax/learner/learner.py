@@ -33,7 +33,7 @@ from fr_jax.learner.metrics import MetricsWriter
 from fr_jax.models import decoder, registry
 from fr_jax.models.attention import packed_visibility
 from fr_jax.models.hf_io import save_hf
-from fr_jax.packing import PackingSpec, pack
+from fr_jax.packing import PackedBatch, PackingSpec, pack
 from fr_jax.trajectory import Trajectory, validate
 
 log = logging.getLogger("fr_jax.learner")
@@ -59,6 +59,66 @@ def _flops(compiled) -> float:
   return float((ca or {}).get("flops", 0.0))
 
 
+def step_config(c: ml_collections.ConfigDict, model_config) -> step.StepConfig:
+  o = c.objective
+  return step.StepConfig(
+      model=model_config, loss=o.loss, delta=float(o.delta), reduction=o.reduction,
+      trust=o.trust, advantage=o.advantage, clip_eps=float(o.clip_eps),
+      clip_eps_high=float(o.clip_eps_high), temperature=float(o.temperature),
+      remat=bool(c.model.remat))
+
+
+def state_shardings(params, optimizer, mesh):
+  """The train state's shardings: every array (parameters and the optimizer's moments alike)
+  split over fsdp as its parameter is (`mesh.params_sharding`), scalars replicated."""
+  return meshlib.params_sharding(
+      jax.eval_shape(lambda p: step.init_state(p, optimizer), params), mesh)
+
+
+def _jit_update(sc, optimizer, lr_schedule, state_shardings, mesh):
+  return jax.jit(
+      lambda s, a, b, st: step.update(s, a, b, st, sc=sc, optimizer=optimizer,
+                                      lr_schedule=lr_schedule),
+      donate_argnums=(0,), out_shardings=(state_shardings, meshlib.replicated(mesh)))
+
+
+def compile_update_from_shapes(config: ml_collections.ConfigDict, model_config, rows: int,
+                               devices=None):
+  """The learner's update step compiled for a micro-batch of `rows` packed rows of
+  `packing.row_len` tokens, on the config's mesh, from shapes alone: no parameter or optimizer
+  state is materialised, so a config far larger than this machine's memory compiles. The
+  executable's `memory_analysis()` is per device. Returns (executable, mesh)."""
+  c = lcfg.validate(config)
+  model_config = model_config.replace(param_dtype=c.model.param_dtype,
+                                      compute_dtype=c.model.compute_dtype,
+                                      attention=c.model.attention)
+  mesh = meshlib.make_mesh(c.mesh.data, c.mesh.fsdp, devices)
+  optimizer, lr_schedule = optim.make_optimizer(c.optim), optim.schedule(c.optim)
+  dtype = jnp.dtype(c.model.param_dtype)
+  shapes = jax.eval_shape(lambda: decoder.init_params(model_config, jax.random.key(0)))
+  shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, dtype), shapes)
+  params = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                        shapes, meshlib.params_sharding(shapes, mesh))
+  shardings = state_shardings(params, optimizer, mesh)
+  state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                       jax.eval_shape(lambda p: step.init_state(p, optimizer), params),
+                       shardings)
+  L = c.packing.row_len
+  S = rows * c.packing.max_segments_per_row
+  fields = dict(tokens=((rows, L), jnp.int32), targets=((rows, L), jnp.int32),
+                positions=((rows, L), jnp.int32), segment_ids=((rows, L), jnp.int32),
+                action_mask=((rows, L), jnp.bool_), behavior_logp=((rows, L), jnp.float32),
+                rewards=((S,), jnp.float32), segment_valid=((S,), jnp.bool_),
+                traj_index=((S,), jnp.int32), policy_version=((S,), jnp.int32))
+  batch = PackedBatch(**{k: jax.ShapeDtypeStruct(*v) for k, v in fields.items()})
+  batch = PackedBatch(*[jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh) for x, sh in
+                        zip(batch, meshlib.batch_sharding(batch, mesh))])
+  rep = meshlib.replicated(mesh)
+  stats = obj.BatchStats(*[jax.ShapeDtypeStruct((), jnp.float32, sharding=rep)] * 3)
+  fn = _jit_update(step_config(c, model_config), optimizer, lr_schedule, shardings, mesh)
+  return fn.lower(state, None, batch, stats).compile(), mesh
+
+
 class Learner:
   """Owns the train state, the mesh, compiled steps, checkpoints and metric files."""
 
@@ -82,19 +142,12 @@ class Learner:
     # A copy: updates donate the state's buffers, which must never alias the caller's model.
     params = jax.tree.map(lambda a: jnp.array(a, dtype, copy=True), model.params)
     params = jax.device_put(params, meshlib.params_sharding(params, self.mesh))
-    self.state = jax.jit(lambda p: step.init_state(p, self.optimizer))(params)
-    self._state_shardings = jax.tree.map(lambda x: x.sharding, self.state)
-    o = c.objective
-    self.step_config = step.StepConfig(
-        model=self.model_config, loss=o.loss, delta=float(o.delta), reduction=o.reduction,
-        trust=o.trust, advantage=o.advantage, clip_eps=float(o.clip_eps),
-        clip_eps_high=float(o.clip_eps_high), temperature=float(o.temperature),
-        remat=bool(c.model.remat))
-    rep = meshlib.replicated(self.mesh)
-    self._jit_update = jax.jit(
-        lambda s, a, b, st: step.update(s, a, b, st, sc=self.step_config,
-                                        optimizer=self.optimizer, lr_schedule=self.lr_schedule),
-        donate_argnums=(0,), out_shardings=(self._state_shardings, rep))
+    self._state_shardings = state_shardings(params, self.optimizer, self.mesh)
+    self.state = jax.jit(lambda p: step.init_state(p, self.optimizer),
+                         out_shardings=self._state_shardings)(params)
+    self.step_config = step_config(c, self.model_config)
+    self._jit_update = _jit_update(self.step_config, self.optimizer, self.lr_schedule,
+                                   self._state_shardings, self.mesh)
     self._jit_accumulate = jax.jit(
         lambda p, a, b, st: step.accumulate(p, a, b, st, sc=self.step_config),
         donate_argnums=(1,))

@@ -128,3 +128,18 @@ def test_decoder_forward_and_grads_flash_equal_naive(name):
   flat_f, flat_n = jax.tree.leaves(g_f), jax.tree.leaves(g_n)
   for a, b in zip(flat_f, flat_n):
     np.testing.assert_allclose(a, b, atol=TOL * max(1.0, float(jnp.abs(b).max())), rtol=0)
+
+
+def test_cached_prefill_longer_than_a_block_uses_flash_and_equals_packed_naive():
+  """Engine prefill of a 300-token prompt into a cache (auto: flash, over the cache's slots
+  up to each position) gives the hidden states of the packed forward by the naive path."""
+  m = registry.load("tiny-qwen3", seed=4)
+  T, S = 300, 320
+  assert A.resolve("auto", T) == "flash"
+  toks = jnp.asarray(np.random.default_rng(6).integers(0, 250, (2, T)), jnp.int32)
+  pos = jnp.broadcast_to(jnp.arange(T), (2, T))
+  cache = decoder.init_cache(m.config, 2, S)
+  h_cache, _ = decoder.forward(m.params, m.config, toks, pos, cache=cache)
+  h_naive, _ = decoder.forward(m.params, m.config.replace(attention="naive"), toks, pos,
+                               jnp.ones_like(toks))
+  np.testing.assert_allclose(h_cache, h_naive, atol=TOL, rtol=0)

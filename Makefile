@@ -54,6 +54,8 @@ bench: $(STAMP)
 	$(VPY) -m experiments.benchmarks.state_growth
 	$(VPY) -m experiments.benchmarks.agent_parse
 	$(VPY) -m experiments.benchmarks.sandbox
+	$(VPY) -m experiments.benchmarks.learner --cases=long --nolong_run
+	$(VPY) -m experiments.benchmarks.recipe_memory
 
 # Exit 1 if any escape attempt got out; run it as the user your workers run as.
 sandbox-check: $(STAMP)

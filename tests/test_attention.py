@@ -105,7 +105,7 @@ def test_flash_memory_is_linear_in_length():
   assert f2 < n2 / 8, (f2, n2)
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
+@pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-qwen3"])  # Llama: the common part
 def test_decoder_forward_and_grads_flash_equal_naive(name):
   """Whole-model packed scoring: every layer's attention by flash against naive (Qwen2 q/k/v
   biases, Qwen3 q/k RMSNorm, GQA), outputs and parameter gradients."""

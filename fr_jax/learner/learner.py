@@ -33,7 +33,7 @@ from fr_jax.learner.metrics import MetricsWriter
 from fr_jax.models import decoder, registry
 from fr_jax.models.attention import packed_visibility
 from fr_jax.models.hf_io import save_hf
-from fr_jax.packing import PackedBatch, PackingSpec, pack
+from fr_jax.packing import PackingSpec, pack
 from fr_jax.trajectory import Trajectory, validate
 
 log = logging.getLogger("fr_jax.learner")
@@ -103,16 +103,13 @@ def compile_update_from_shapes(config: ml_collections.ConfigDict, model_config, 
   state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
                        jax.eval_shape(lambda p: step.init_state(p, optimizer), params),
                        shardings)
-  L = c.packing.row_len
-  S = rows * c.packing.max_segments_per_row
-  fields = dict(tokens=((rows, L), jnp.int32), targets=((rows, L), jnp.int32),
-                positions=((rows, L), jnp.int32), segment_ids=((rows, L), jnp.int32),
-                action_mask=((rows, L), jnp.bool_), behavior_logp=((rows, L), jnp.float32),
-                rewards=((S,), jnp.float32), segment_valid=((S,), jnp.bool_),
-                traj_index=((S,), jnp.int32), policy_version=((S,), jnp.int32))
-  batch = PackedBatch(**{k: jax.ShapeDtypeStruct(*v) for k, v in fields.items()})
-  batch = PackedBatch(*[jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh) for x, sh in
-                        zip(batch, meshlib.batch_sharding(batch, mesh))])
+  # The batch's shapes and dtypes are packing's own: one tiny trajectory packed into `rows`.
+  tiny = Trajectory("shape", np.zeros(1, np.int32), np.zeros(1, np.int32), np.ones(1, bool),
+                    np.zeros(1, np.float32), 0.0, 0)
+  (b,) = pack([tiny], PackingSpec(c.packing.row_len, (rows,),
+                                  c.packing.max_segments_per_row)).batches
+  batch = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), b,
+                       meshlib.batch_sharding(b, mesh))
   rep = meshlib.replicated(mesh)
   stats = obj.BatchStats(*[jax.ShapeDtypeStruct((), jnp.float32, sharding=rep)] * 3)
   fn = _jit_update(step_config(c, model_config), optimizer, lr_schedule, shardings, mesh)

@@ -1,8 +1,11 @@
 """The attention paths against the naive reference (scores and the [L, S] mask in full), for
 outputs and gradients, f32, at most 1e-5: many segments per row, one segment filling a row,
 padding, lengths that are not whole blocks, GQA and MHA, caches; and the whole decoder
-(Qwen2 biases, Qwen3 q/k-norm) with flash against naive. Mode: plain JAX on the CPU backend
-(the flash kernel is backend-independent JAX)."""
+(Qwen2 biases, Qwen3 q/k-norm) with flash against naive.
+
+Modes: the flash kernel is plain JAX, tested on the CPU backend as it runs everywhere; the
+Pallas GPU kernel (`pallas_gpu`) runs here in Pallas interpret mode (its Triton lowering needs
+a GPU: `make device-check` is where that is run)."""
 
 import jax
 import jax.numpy as jnp
@@ -82,8 +85,27 @@ def test_bf16_compute_stays_close():
   np.testing.assert_allclose(out, ref, atol=3e-2)
 
 
+def test_pallas_gpu_kernel_in_interpret_mode():
+  """Packed rows (GQA, many segments, padding, a length that is not a whole 128-block)."""
+  L = 200
+  seg = rows(L, [70, 110], [200])
+  q, k, v = qkv(np.random.default_rng(8), 2, L, L, 4, 2, 16)
+  vis = A.packed_visibility(seg)
+  pallas = lambda q, k, v: A.pallas_gpu_attention(q, k, v, seg, jnp.float32)  # noqa: E731
+  naive = lambda q, k, v: A.attention(q, k, v, A.dense_mask(vis), jnp.float32)  # noqa: E731
+  np.testing.assert_allclose(pallas(q, k, v), naive(q, k, v), atol=TOL, rtol=0)
+  w = jnp.asarray(np.random.default_rng(9).standard_normal(q.shape), jnp.float32)
+  grads = lambda f: jax.grad(lambda *a: jnp.sum(f(*a) * w), argnums=(0, 1, 2))(q, k, v)  # noqa
+  for g_p, g_n, name in zip(grads(pallas), grads(naive), "qkv"):
+    np.testing.assert_allclose(g_p, g_n, atol=TOL, rtol=0, err_msg=f"d{name}")
+
+
 def test_auto_uses_naive_for_one_block_and_flash_above():
-  assert A.resolve("auto", 256) == "naive" and A.resolve("auto", 257) == "flash"
+  assert A.resolve("auto", 256, backend="cpu") == "naive"
+  assert A.resolve("auto", 257, backend="cpu") == "flash"
+  assert A.resolve("auto", 8, backend="gpu") == "pallas_gpu"  # packed rows on a GPU
+  assert A.resolve("auto", 300, packed=False, backend="gpu") == "flash"  # a cache prefill
+  assert A.resolve("pallas_gpu", 300, packed=False) == "flash"
   assert A.resolve("naive", 10_000) == "naive" and A.resolve("flash", 8) == "flash"
   with pytest.raises(ValueError, match="attention='cudnnn'"):
     A.resolve("cudnnn", 8)
@@ -135,7 +157,7 @@ def test_cached_prefill_longer_than_a_block_uses_flash_and_equals_packed_naive()
   up to each position) gives the hidden states of the packed forward by the naive path."""
   m = registry.load("tiny-qwen3", seed=4)
   T, S = 300, 320
-  assert A.resolve("auto", T) == "flash"
+  assert A.resolve("auto", T, packed=False, backend="cpu") == "flash"
   toks = jnp.asarray(np.random.default_rng(6).integers(0, 250, (2, T)), jnp.int32)
   pos = jnp.broadcast_to(jnp.arange(T), (2, T))
   cache = decoder.init_cache(m.config, 2, S)

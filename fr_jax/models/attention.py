@@ -7,12 +7,17 @@ this one rule. `attend` picks the path:
 
 * "naive": scores and the [L, S] mask in full (the reference; fine for short rows);
 * "flash": the blockwise online-softmax kernel of `fr_jax.models.flash`, O(L) memory;
-* "auto": naive where the query length fits one block, flash above it.
+* "pallas_gpu": JAX's Pallas GPU flash kernel (`jax.experimental.pallas.ops.gpu.attention.mha`,
+  Triton) with segment ids, for packed rows (its mask is causal by index within equal
+  segment ids); GQA by repeating K/V heads; rows padded to whole 128-token blocks. Caches
+  take the flash path. Off a GPU it runs in Pallas interpret mode (how it is tested here);
+* "auto": on a GPU, pallas_gpu for packed rows; elsewhere naive where the query length fits
+  one block and flash above it.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -64,17 +69,52 @@ def attention(q, k, v, mask, cd):
   return out.reshape(B, L, H, hd)
 
 
-def resolve(impl: str, query_len: int) -> str:
-  """The path `impl` means for queries of `query_len` tokens."""
+def resolve(impl: str, query_len: int, packed: bool = True,
+            backend: Optional[str] = None) -> str:
+  """The path `impl` means for queries of `query_len` tokens (packed rows, or a cache)."""
   if impl not in IMPLS:
     raise ValueError(f"attention={impl!r}: choose one of {IMPLS}")
   if impl == "auto":
+    if (backend or jax.default_backend()) == "gpu" and packed:
+      return "pallas_gpu"
     return "naive" if query_len <= BLOCK_Q else "flash"
+  if impl == "pallas_gpu" and not packed:
+    return "flash"
   return impl
 
 
-def attend(q, k, v, vis: Visibility, cd, impl: str = "auto"):
-  """Attention of q [B, L, H, hd] over k/v [B, S, KVH, hd] as `vis` allows, by `impl`."""
-  if resolve(impl, q.shape[1]) == "naive":
+def attend(q, k, v, vis: Visibility, cd, impl: str = "auto", packed: bool = True):
+  """Attention of q [B, L, H, hd] over k/v [B, S, KVH, hd] as `vis` allows, by `impl`.
+  `packed`: `vis` is `packed_visibility` (q and k are the same rows)."""
+  path = resolve(impl, q.shape[1], packed)
+  if path == "naive":
     return attention(q, k, v, dense_mask(vis), cd)
+  if path == "pallas_gpu":
+    return pallas_gpu_attention(q, k, v, vis.q_seg, cd)
   return flash_attention(q, k, v, vis.q_idx, vis.q_seg, vis.kv_seg, cd=cd)
+
+
+PALLAS_BLOCK = 128
+
+
+def pallas_gpu_attention(q, k, v, segment_ids, cd, interpret: Optional[bool] = None):
+  """Packed causal attention by the Pallas GPU kernel: q [B, L, H, hd], k/v [B, L, KVH, hd],
+  segment_ids [B, L] -> [B, L, H, hd] f32. Interpret mode off a GPU unless told."""
+  from jax.experimental.pallas.ops.gpu import attention as pallas_mha
+  B, L, H, hd = q.shape
+  if interpret is None:
+    interpret = jax.default_backend() != "gpu"
+  rep = H // k.shape[2]
+  k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+  Lp = -(-L // PALLAS_BLOCK) * PALLAS_BLOCK
+  if Lp != L:  # padded tokens get segment -1: they see only each other, and are cut off
+    widths = ((0, 0), (0, Lp - L), (0, 0), (0, 0))
+    q, k, v = (jnp.pad(x, widths) for x in (q, k, v))
+    segment_ids = jnp.pad(segment_ids, ((0, 0), (0, Lp - L)), constant_values=-1)
+  blocks = pallas_mha.BlockSizes(
+      block_q=PALLAS_BLOCK, block_k=PALLAS_BLOCK, block_q_dkv=PALLAS_BLOCK,
+      block_kv_dkv=PALLAS_BLOCK, block_q_dq=PALLAS_BLOCK, block_kv_dq=PALLAS_BLOCK)
+  out = pallas_mha.mha(q.astype(cd), k.astype(cd), v.astype(cd), segment_ids.astype(jnp.int32),
+                       sm_scale=hd ** -0.5, causal=True, block_sizes=blocks,
+                       interpret=interpret)
+  return out[:, :L].astype(F32)

@@ -10,7 +10,7 @@ import numpy as np
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16")
-ATTENTION_IMPLS = ("auto", "naive", "flash")
+ATTENTION_IMPLS = ("auto", "naive", "flash", "pallas_gpu")
 
 
 class ConfigError(ValueError):
@@ -41,7 +41,8 @@ class ModelConfig:
   eos_token_id: Optional[int] = None
   param_dtype: str = "float32"  # storage dtype of parameters
   compute_dtype: str = "float32"  # matmul inputs; accumulation and norms stay f32
-  # auto | naive | flash (fr_jax.models.attention): how attention is computed, not what.
+  # auto | naive | flash | pallas_gpu (fr_jax.models.attention): how attention is computed,
+  # not what.
   attention: str = "auto"
 
   def __post_init__(self):

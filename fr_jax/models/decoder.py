@@ -158,7 +158,7 @@ def _layer(cfg: ModelConfig, h, lp, cos, sin, vis, cache_kv, layer, cache_start)
     cv = _write_cache(cache_kv[1], v, layer, cache_start)
     cache_kv = (ck, cv)
     k, v = ck[layer], cv[layer]
-  a = attend(q, k, v, vis, cd, cfg.attention)
+  a = attend(q, k, v, vis, cd, cfg.attention, packed=cache_kv is None)
   a = a.reshape(B, L, H * hd)
   h = h + dense(a, lp["wo"], lp.get("bo"), cd)
   x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)

@@ -151,24 +151,31 @@ def test_without_user_namespaces_calls_are_refused_unless_limits_only_is_allowed
   assert len(warnings) == 1, lines  # once per process
 
 
-@needs_userns
-def test_a_run_that_cannot_isolate_the_tool_stops_at_start_or_says_limits_only(tmp_path):
-  """launch.train where the kernel refuses user namespaces: exit 2 with the reason and the
-  opt-out before any model loads; with agent.allow_limits_only the run trains and its
-  summary says limits-only. (The repository's interpreter, so the worker is the test's own
-  user here; the unprivileged path of the same check is the test above.)"""
-  base = [sys.executable, "tests/no_userns.py", sys.executable, "-m", "launch.train",
-          "--config=experiments/configs/tiny_test.py", "--config.max_updates=1",
-          "--config.eval.n=0", "--config.env.name=arithmetic"]
+def _train_without_userns(run_dir, *extra):
+  """launch.train (tiny model, 1 update) where the kernel refuses user namespaces. The
+  repository's interpreter, so the worker is the test's own user here; the unprivileged path
+  of the same refusal is test_without_user_namespaces_calls_are_refused_unless_... above."""
+  cmd = [sys.executable, "tests/no_userns.py", sys.executable, "-m", "launch.train",
+         "--config=experiments/configs/tiny_test.py", "--config.max_updates=1",
+         "--config.eval.n=0", "--config.env.name=arithmetic", f"--run_dir={run_dir}", *extra]
   env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", XLA_FLAGS="")
-  r = subprocess.run(base + [f"--run_dir={tmp_path / 'a'}"], cwd=REPO, capture_output=True,
-                     text=True, timeout=300, env=env)
+  return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+
+
+@needs_userns
+def test_a_run_that_cannot_isolate_the_tool_stops_at_start(tmp_path):
+  """Exit 2 with the reason and the opt-out, before any model loads or the run dir exists."""
+  r = _train_without_userns(tmp_path / "a")
   lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
   assert r.returncode == 2 and lines[-1].startswith("error: the Python tool needs Linux user "
                                                     "namespaces"), r.stderr[-2000:]
   assert "allow_limits_only" in lines[-1] and not (tmp_path / "a").exists()
-  r = subprocess.run(base + [f"--run_dir={tmp_path / 'b'}", "--config.agent.allow_limits_only=True"],
-                     cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+
+
+@needs_userns
+@pytest.mark.slow  # a whole (tiny) training run; the refusal above is the fast half
+def test_a_run_allowed_limits_only_trains_and_says_so(tmp_path):
+  r = _train_without_userns(tmp_path / "b", "--config.agent.allow_limits_only=True")
   assert r.returncode == 0, r.stderr[-3000:]
   summary = json.loads(r.stdout.strip().splitlines()[-1])
   assert summary["tool_isolation"] == "limits-only" and summary["updates"] == 1, summary

@@ -10,8 +10,9 @@ the edges). Layer weights are stacked on a leading axis and applied with `lax.sc
 
 Forward modes (all the same `forward`):
 * packed: tokens [R, L], positions [R, L], segment_ids [R, L]; attention is causal within a
-  segment and blocked across segments (segment 0 is padding); rows longer than one block use
-  the flash kernel (`fr_jax.models.attention`, `ModelConfig.attention`), O(L) memory;
+  segment and blocked across segments (segment 0 is padding); `ModelConfig.attention` picks
+  the path (`fr_jax.models.attention`: by default a flash kernel, O(L) memory, for rows
+  longer than one block, or for every row on a GPU);
 * cached: tokens [B, T] at positions [B, T] (contiguous per row) written into a preallocated
   KV cache, attending to cache entries at positions <= the query's. Prefill is T = prompt
   length, decode is T = 1.

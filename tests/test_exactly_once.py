@@ -326,7 +326,7 @@ def test_checkpointed_admission_state_does_not_grow_with_updates(tmp_path, tiny_
 def test_workers_that_stop_heartbeating_are_forgotten(tiny_model):
   learner, service = system.build_service(cfg(), tiny_model)
   try:
-    service.worker_timeout_s = 0.3
+    service.workers.timeout_s = 0.3
     for i in range(50):
       service.heartbeat(f"gone-{i}", dict(STATS))
     time.sleep(0.5)

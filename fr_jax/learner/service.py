@@ -34,6 +34,7 @@ from fr_jax.learner.inflight import InflightController
 from fr_jax.learner.metrics import read_jsonl
 from fr_jax.learner.publish import Publisher
 from fr_jax.learner.trajectory_queue import TrajectoryQueue
+from fr_jax.learner.workers import WorkerTable
 from fr_jax.trajectory import (REASONS, RETRY_REASONS, Trajectory, TrajectoryError,
                                record_key, validate)
 
@@ -45,7 +46,6 @@ SERVICE_REASONS = ("stale", "future_version", "duplicate", "decode", "shutdown",
 REJECTION_REASONS = REASONS + SERVICE_REASONS
 DEAD_LETTER_REASONS = ("stale", "nonfinite_update", "future_version")
 LAG_BINS = (0, 1, 2, 3, 4, 6, 8, 16, 32)  # histogram lower edges
-MAX_WORKERS_TRACKED = 4096
 
 __all__ = ["LearnerService", "InflightController", "REJECTION_REASONS", "RETRY_REASONS"]
 
@@ -87,9 +87,7 @@ class LearnerService:
     self.used = 0  # records used by updates (persisted with checkpoints)
     self.lag_hist = collections.Counter()
     self.max_lag_seen = 0
-    self.workers: dict[str, dict] = {}
-    self.worker_timeout_s = float(worker_timeout_s)
-    self._pruned_at = 0.0
+    self.workers = WorkerTable(worker_timeout_s)
     self.shutdown = threading.Event()
     self.updates = 0
     self.idle_s = self.busy_s = self.startup_wait_s = self.loop_s = 0.0
@@ -200,23 +198,10 @@ class LearnerService:
   def heartbeat(self, worker_id: str, stats: dict) -> dict:
     now = time.time()
     with self._lock:
-      self.workers[worker_id[:256]] = dict(stats, last_seen=now)
-      self._prune_workers(now)
+      self.workers.seen(worker_id, stats, now)
     return dict(version=self.publisher.version, queue_depth=len(self.queue),
                 queue_capacity=self.queue.capacity, inflight_target=self.inflight,
                 shutdown=self.shutdown.is_set(), hf_dir=self.hf_dir)
-
-  def _prune_workers(self, now: float) -> None:  # holds _lock
-    """Forgets workers silent for worker_timeout_s, and the oldest beyond a cap."""
-    if now - self._pruned_at < min(1.0, self.worker_timeout_s / 2):
-      return
-    self._pruned_at = now
-    for w in [w for w, s in self.workers.items() if now - s["last_seen"] > self.worker_timeout_s]:
-      del self.workers[w]
-    if len(self.workers) > MAX_WORKERS_TRACKED:
-      by_age = sorted(self.workers, key=lambda w: self.workers[w]["last_seen"])
-      for w in by_age[:len(self.workers) - MAX_WORKERS_TRACKED]:
-        del self.workers[w]
 
   # --- settling records: used or dead-lettered ---
   def _settle(self, trajs, version: int) -> None:
@@ -409,7 +394,7 @@ class LearnerService:
   # --- metrics ---
   def system_metrics(self) -> dict:
     with self._lock:
-      self._prune_workers(time.time())
+      self.workers.prune(time.time())
       elapsed = max(time.perf_counter() - self.t_start, 1e-9)
       loop = self.idle_s + self.busy_s
       out = dict(queue_depth=len(self.queue), admitted=self.admitted,

@@ -43,7 +43,8 @@ def test_paper_recipe_numbers():
     ("objective.trust", "none", None), ("objective.advantage", "positive_only", None),
     ("objective.delta", math.inf, None), ("minibatches", 4, None), ("objective.loss", "grpo", None),
     ("objective.trust", "bogus", "objective.trust"), ("rollout.engine", "vllm", "rollout.engine"),
-    ("agent.max_total_tokens", 10**6, "row_len")])
+    ("agent.max_total_tokens", 10**6, "row_len"), ("model.attention", "flash", None),
+    ("model.attention", "cudnn", "model.attention='cudnn'")])
 def test_ablations_are_one_field(field, value, error):
   c = importlib.import_module("experiments.configs.cpu_default").get_config()
   c.update_from_flattened_dict({field: value})

@@ -12,7 +12,7 @@ import math
 import ml_collections
 
 from fr_jax import objective as obj
-from fr_jax.models.config import ATTENTION_IMPLS
+from fr_jax.models.config import check_attention
 
 LOSSES = ("flash_reinforce", "grpo")
 
@@ -103,8 +103,10 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     raise ConfigError(f"optim.lr={c.optim.lr} must be >= 0 and optim.total_steps >= 1")
   if not 0 <= c.optim.min_lr_ratio <= 1 or not 0 <= c.optim.warmup_frac < 1:
     raise ConfigError("optim.min_lr_ratio must be in [0, 1] and optim.warmup_frac in [0, 1)")
-  if c.model.attention not in ATTENTION_IMPLS:
-    raise ConfigError(f"model.attention={c.model.attention!r}: choose one of {ATTENTION_IMPLS}")
+  try:
+    check_attention(c.model.attention, "model.attention")
+  except ValueError as e:  # the models' ConfigError: re-raised as this config's
+    raise ConfigError(str(e)) from None
   if c.model.compute_dtype not in ("float32", "bfloat16") or \
      c.model.param_dtype not in ("float32", "bfloat16"):
     raise ConfigError("model.param_dtype and model.compute_dtype must be float32 or bfloat16")

@@ -22,7 +22,7 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from fr_jax.models.config import ATTENTION_IMPLS as IMPLS
+from fr_jax.models.config import check_attention
 from fr_jax.models.flash import BLOCK_Q, flash_attention
 
 F32 = jnp.float32
@@ -72,8 +72,7 @@ def attention(q, k, v, mask, cd):
 def resolve(impl: str, query_len: int, packed: bool = True,
             backend: Optional[str] = None) -> str:
   """The path `impl` means for queries of `query_len` tokens (packed rows, or a cache)."""
-  if impl not in IMPLS:
-    raise ValueError(f"attention={impl!r}: choose one of {IMPLS}")
+  check_attention(impl)
   if impl == "auto":
     if (backend or jax.default_backend()) == "gpu" and packed:
       return "pallas_gpu"

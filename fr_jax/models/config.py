@@ -17,6 +17,13 @@ class ConfigError(ValueError):
   """A model config fr_jax cannot build, naming the field and what to do."""
 
 
+def check_attention(impl: str, field: str = "attention") -> str:
+  """The one check of an attention path's name (ModelConfig, the learner config, attend)."""
+  if impl not in ATTENTION_IMPLS:
+    raise ConfigError(f"{field}={impl!r}: choose one of {ATTENTION_IMPLS}")
+  return impl
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   family: str  # llama | qwen2 | qwen3
@@ -51,8 +58,7 @@ class ModelConfig:
     for f in ("param_dtype", "compute_dtype"):
       if getattr(self, f) not in DTYPES:
         raise ConfigError(f"{f}={getattr(self, f)!r}: choose one of {DTYPES}")
-    if self.attention not in ATTENTION_IMPLS:
-      raise ConfigError(f"attention={self.attention!r}: choose one of {ATTENTION_IMPLS}")
+    check_attention(self.attention)
     if self.num_heads % self.num_kv_heads:
       raise ConfigError(f"num_heads={self.num_heads} is not a multiple of "
                         f"num_kv_heads={self.num_kv_heads} (grouped-query attention)")

@@ -4,8 +4,9 @@ padding, lengths that are not whole blocks, GQA and MHA, caches; and the whole d
 (Qwen2 biases, Qwen3 q/k-norm) with flash against naive.
 
 Modes: the flash kernel is plain JAX, tested on the CPU backend as it runs everywhere; the
-Pallas GPU kernel (`pallas_gpu`) runs here in Pallas interpret mode (its Triton lowering needs
-a GPU: `make device-check` is where that is run)."""
+Pallas GPU kernel (`pallas_gpu`) and the Pallas TPU splash kernel (`splash_tpu`) run here in
+Pallas interpret mode (their Triton and Mosaic lowerings need the accelerator: `make
+device-check` runs the GPU one compiled)."""
 
 import jax
 import jax.numpy as jnp
@@ -85,13 +86,17 @@ def test_bf16_compute_stays_close():
   np.testing.assert_allclose(out, ref, atol=3e-2)
 
 
-def test_pallas_gpu_kernel_in_interpret_mode():
-  """Packed rows (GQA, many segments, padding, a length that is not a whole 128-block)."""
+@pytest.mark.parametrize("kernel,H,KVH", [
+    (A.pallas_gpu_attention, 4, 2), (A.splash_tpu_attention, 4, 2),
+    (A.splash_tpu_attention, 3, 3)])
+def test_pallas_kernels_in_interpret_mode(kernel, H, KVH):
+  """Packed rows (GQA and MHA, many segments, padding, a length that is not a whole
+  128-block), Pallas interpret mode."""
   L = 200
   seg = rows(L, [70, 110], [200])
-  q, k, v = qkv(np.random.default_rng(8), 2, L, L, 4, 2, 16)
+  q, k, v = qkv(np.random.default_rng(8), 2, L, L, H, KVH, 16)
   vis = A.packed_visibility(seg)
-  pallas = lambda q, k, v: A.pallas_gpu_attention(q, k, v, seg, jnp.float32)  # noqa: E731
+  pallas = lambda q, k, v: kernel(q, k, v, seg, jnp.float32)  # noqa: E731
   naive = lambda q, k, v: A.attention(q, k, v, A.dense_mask(vis), jnp.float32)  # noqa: E731
   np.testing.assert_allclose(pallas(q, k, v), naive(q, k, v), atol=TOL, rtol=0)
   w = jnp.asarray(np.random.default_rng(9).standard_normal(q.shape), jnp.float32)
@@ -104,8 +109,11 @@ def test_auto_uses_naive_for_one_block_and_flash_above():
   assert A.resolve("auto", 256, backend="cpu") == "naive"
   assert A.resolve("auto", 257, backend="cpu") == "flash"
   assert A.resolve("auto", 8, backend="gpu") == "pallas_gpu"  # packed rows on a GPU
+  assert A.resolve("auto", 8, backend="tpu") == "splash_tpu"  # packed rows on a TPU
   assert A.resolve("auto", 300, packed=False, backend="gpu") == "flash"  # a cache prefill
+  assert A.resolve("auto", 300, packed=False, backend="tpu") == "flash"
   assert A.resolve("pallas_gpu", 300, packed=False) == "flash"
+  assert A.resolve("splash_tpu", 300, packed=False) == "flash"
   assert A.resolve("naive", 10_000) == "naive" and A.resolve("flash", 8) == "flash"
   with pytest.raises(ValueError, match="attention='cudnnn'"):
     A.resolve("cudnnn", 8)
@@ -127,10 +135,12 @@ def test_flash_memory_is_linear_in_length():
   assert f2 < n2 / 8, (f2, n2)
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-qwen3"])  # Llama: the common part
-def test_decoder_forward_and_grads_flash_equal_naive(name):
-  """Whole-model packed scoring: every layer's attention by flash against naive (Qwen2 q/k/v
-  biases, Qwen3 q/k RMSNorm, GQA), outputs and parameter gradients."""
+@pytest.mark.parametrize("name,impl", [  # Llama: the common part
+    ("tiny-qwen2", "flash"), ("tiny-qwen3", "flash"), ("tiny-qwen3", "splash_tpu")])
+def test_decoder_forward_and_grads_equal_naive(name, impl):
+  """Whole-model packed scoring: every layer's attention by `impl` against naive (Qwen2 q/k/v
+  biases, Qwen3 q/k RMSNorm, GQA), outputs and parameter gradients (splash_tpu: interpret
+  mode)."""
   m = registry.load(name, seed=3)
   L = 160
   seg = rows(L, [50, 1, 70, 20], [160])
@@ -144,7 +154,7 @@ def test_decoder_forward_and_grads_flash_equal_naive(name):
     h, _ = decoder.forward(params, cfg, toks, pos, seg)
     return jnp.sum(h * jnp.sin(jnp.arange(h.shape[-1]))), h
 
-  (l_f, h_f), g_f = jax.value_and_grad(loss, has_aux=True)(m.params, "flash")
+  (l_f, h_f), g_f = jax.value_and_grad(loss, has_aux=True)(m.params, impl)
   (l_n, h_n), g_n = jax.value_and_grad(loss, has_aux=True)(m.params, "naive")
   np.testing.assert_allclose(h_f, h_n, atol=TOL, rtol=0)
   flat_f, flat_n = jax.tree.leaves(g_f), jax.tree.leaves(g_n)

@@ -24,8 +24,9 @@ def default_config() -> ml_collections.ConfigDict:
       param_dtype="float32",  # master weights
       compute_dtype="float32",  # bfloat16: bf16 matmuls, f32 master weights
       remat=True,  # recompute each layer in the backward pass (less memory, faster on CPU)
-      # auto, naive, flash or pallas_gpu: see fr_jax.models.attention (auto: pallas_gpu on a
-      # GPU; elsewhere naive for rows of one block, flash above). Flash kernels keep
+      # auto, naive, flash, pallas_gpu or splash_tpu: see fr_jax.models.attention (auto:
+      # pallas_gpu on a GPU, splash_tpu on a TPU; elsewhere naive for rows of one block,
+      # flash above). Flash kernels keep
       # attention memory linear in the row length.
       attention="auto",
       seed=0,  # init seed for random (tiny) models

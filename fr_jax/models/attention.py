@@ -11,8 +11,13 @@ this one rule. `attend` picks the path:
   Triton) with segment ids, for packed rows (its mask is causal by index within equal
   segment ids); GQA by repeating K/V heads; rows padded to whole 128-token blocks. Caches
   take the flash path. Off a GPU it runs in Pallas interpret mode (how it is tested here);
-* "auto": on a GPU, pallas_gpu for packed rows; elsewhere naive where the query length fits
-  one block and flash above it.
+* "splash_tpu": JAX's Pallas TPU splash attention
+  (`jax.experimental.pallas.ops.tpu.splash_attention`, Mosaic) with segment ids and a static
+  causal mask, for packed rows; GQA as one multi-query kernel per K/V head (no repetition);
+  rows padded to whole 128-token blocks. Caches take the flash path. Off a TPU it runs in
+  Pallas interpret mode (how it is tested here);
+* "auto": on a GPU pallas_gpu, on a TPU splash_tpu, for packed rows; elsewhere (and for
+  caches) naive where the query length fits one block and flash above it.
 """
 
 from __future__ import annotations
@@ -74,10 +79,11 @@ def resolve(impl: str, query_len: int, packed: bool = True,
   """The path `impl` means for queries of `query_len` tokens (packed rows, or a cache)."""
   check_attention(impl)
   if impl == "auto":
-    if (backend or jax.default_backend()) == "gpu" and packed:
-      return "pallas_gpu"
+    kernel = {"gpu": "pallas_gpu", "tpu": "splash_tpu"}.get(backend or jax.default_backend())
+    if kernel and packed:
+      return kernel
     return "naive" if query_len <= BLOCK_Q else "flash"
-  if impl == "pallas_gpu" and not packed:
+  if impl in ("pallas_gpu", "splash_tpu") and not packed:
     return "flash"
   return impl
 
@@ -90,10 +96,24 @@ def attend(q, k, v, vis: Visibility, cd, impl: str = "auto", packed: bool = True
     return attention(q, k, v, dense_mask(vis), cd)
   if path == "pallas_gpu":
     return pallas_gpu_attention(q, k, v, vis.q_seg, cd)
+  if path == "splash_tpu":
+    return splash_tpu_attention(q, k, v, vis.q_seg, cd)
   return flash_attention(q, k, v, vis.q_idx, vis.q_seg, vis.kv_seg, cd=cd)
 
 
 PALLAS_BLOCK = 128
+
+
+def _pad_to_blocks(q, k, v, segment_ids):
+  """Pad rows to whole PALLAS_BLOCKs. Padded tokens get segment -1: they see only each other
+  (so no query row is empty, which both kernels require), and are cut off after."""
+  L = q.shape[1]
+  Lp = -(-L // PALLAS_BLOCK) * PALLAS_BLOCK
+  if Lp != L:
+    widths = ((0, 0), (0, Lp - L), (0, 0), (0, 0))
+    q, k, v = (jnp.pad(x, widths) for x in (q, k, v))
+    segment_ids = jnp.pad(segment_ids, ((0, 0), (0, Lp - L)), constant_values=-1)
+  return q, k, v, segment_ids.astype(jnp.int32)
 
 
 def pallas_gpu_attention(q, k, v, segment_ids, cd, interpret: Optional[bool] = None):
@@ -105,15 +125,40 @@ def pallas_gpu_attention(q, k, v, segment_ids, cd, interpret: Optional[bool] = N
     interpret = jax.default_backend() != "gpu"
   rep = H // k.shape[2]
   k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
-  Lp = -(-L // PALLAS_BLOCK) * PALLAS_BLOCK
-  if Lp != L:  # padded tokens get segment -1: they see only each other, and are cut off
-    widths = ((0, 0), (0, Lp - L), (0, 0), (0, 0))
-    q, k, v = (jnp.pad(x, widths) for x in (q, k, v))
-    segment_ids = jnp.pad(segment_ids, ((0, 0), (0, Lp - L)), constant_values=-1)
+  q, k, v, segment_ids = _pad_to_blocks(q, k, v, segment_ids)
   blocks = pallas_mha.BlockSizes(
       block_q=PALLAS_BLOCK, block_k=PALLAS_BLOCK, block_q_dkv=PALLAS_BLOCK,
       block_kv_dkv=PALLAS_BLOCK, block_q_dq=PALLAS_BLOCK, block_kv_dq=PALLAS_BLOCK)
-  out = pallas_mha.mha(q.astype(cd), k.astype(cd), v.astype(cd), segment_ids.astype(jnp.int32),
+  out = pallas_mha.mha(q.astype(cd), k.astype(cd), v.astype(cd), segment_ids,
                        sm_scale=hd ** -0.5, causal=True, block_sizes=blocks,
                        interpret=interpret)
+  return out[:, :L].astype(F32)
+
+
+def splash_tpu_attention(q, k, v, segment_ids, cd, interpret: Optional[bool] = None):
+  """Packed causal attention by the Pallas TPU splash kernel: q [B, L, H, hd],
+  k/v [B, L, KVH, hd], segment_ids [B, L] -> [B, L, H, hd] f32. Each K/V head runs one
+  multi-query kernel over its group of query heads. Interpret mode off a TPU unless told."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+  B, L, H, hd = q.shape
+  kvh = k.shape[2]
+  if interpret is None:
+    interpret = jax.default_backend() != "tpu"
+  q, k, v, segment_ids = _pad_to_blocks(q * (hd ** -0.5), k, v, segment_ids)
+  Lp = q.shape[1]
+  block = next(b for b in (512, 256, PALLAS_BLOCK) if Lp % b == 0)
+  blocks = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
+                         block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
+                         block_q_dq=block, block_kv_dq=block)
+  group = H // kvh
+  mask = sm.MultiHeadMask([sm.CausalMask((Lp, Lp))] * group)
+  kernel = sk.make_splash_mqa_single_device(mask, block_sizes=blocks, interpret=interpret)
+  # [B, KVH, group, Lp, hd] queries; [B, KVH, Lp, hd] keys and values
+  qh = q.reshape(B, Lp, kvh, group, hd).transpose(0, 2, 3, 1, 4).astype(cd)
+  kh, vh = (x.transpose(0, 2, 1, 3).astype(cd) for x in (k, v))
+  one = lambda q1, k1, v1, seg: kernel(q1, k1, v1, segment_ids=sk.SegmentIds(seg, seg))  # noqa
+  per_head = jax.vmap(one, in_axes=(0, 0, 0, None))
+  out = jax.vmap(per_head)(qh, kh, vh, segment_ids)  # [B, KVH, group, Lp, hd]
+  out = out.transpose(0, 3, 1, 2, 4).reshape(B, Lp, H, hd)
   return out[:, :L].astype(F32)

@@ -10,7 +10,7 @@ import numpy as np
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16")
-ATTENTION_IMPLS = ("auto", "naive", "flash", "pallas_gpu")
+ATTENTION_IMPLS = ("auto", "naive", "flash", "pallas_gpu", "splash_tpu")
 
 
 class ConfigError(ValueError):
@@ -48,7 +48,7 @@ class ModelConfig:
   eos_token_id: Optional[int] = None
   param_dtype: str = "float32"  # storage dtype of parameters
   compute_dtype: str = "float32"  # matmul inputs; accumulation and norms stay f32
-  # auto | naive | flash | pallas_gpu (fr_jax.models.attention): how attention is computed,
+  # auto | naive | flash | pallas_gpu | splash_tpu (fr_jax.models.attention): how attention is computed,
   # not what.
   attention: str = "auto"
 

@@ -8,7 +8,8 @@ STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 TEST_JOBS ?= 2   # pytest-xdist processes (test files are kept whole per process)
 
-.PHONY: demo test test-all bench smoke chaos sandbox-check replication proto venv clean-venv help
+.PHONY: demo test test-all bench smoke chaos sandbox-check replication proto venv clean-venv help \
+        device-check device-wheels device-fixtures
 
 DEMO_DIR ?= runs/demo
 REPLICATION_DIR ?= runs/replication
@@ -23,6 +24,9 @@ help:
 	@echo "make sandbox-check  the tool sandbox's 25 escape attempts on this machine, as this user"
 	@echo "make replication  the paper's seven ablation comparisons, 5 seeds each (tiny model, CPU)"
 	@echo "make proto     regenerate the message classes from fr_jax/transport/fr_jax.proto"
+	@echo "make device-check  on a GPU machine: peers, attention, learner and engine (JSON lines)"
+	@echo "               DRY=1: the same at toy sizes on this CPU (part of make test)"
+	@echo "make device-wheels device-fixtures  here, before: what device-check brings along"
 	@echo "make venv      only create/refresh .venv"
 
 venv: $(STAMP)
@@ -78,3 +82,30 @@ clean-venv:
 # cuts, a full disk under the admission log and poison records; prints the ledger as JSON.
 chaos: $(STAMP)
 	$(VPY) -m experiments.chaos.run $(CHAOS_ARGS)
+
+# The device check (experiments/device_check.py; BUILD.md). On the accelerator machine it runs
+# with that machine's python (DEVICE_PY) and unpacks build/device_wheels for what its image
+# lacks; DRY=1 runs every section at toy sizes here, in .venv (tests/test_device_check.py).
+DEVICE_PY ?= python3
+DEVICE_ARGS ?=
+DEVICE_PY_VERSION ?= 3.12
+DEVICE_PLATFORMS ?= manylinux_2_28_x86_64 manylinux_2_24_x86_64 manylinux2014_x86_64
+DRY ?=
+
+ifeq ($(DRY),1)
+device-check: $(STAMP)
+	$(VPY) -m experiments.device_check --dry --peer_fixtures=build/device_fixtures_dry $(DEVICE_ARGS)
+else
+device-check:
+	$(DEVICE_PY) -m experiments.device_check $(DEVICE_ARGS)
+endif
+
+# Run here, where the package registry is: wheels of requirements-device.txt for the device.
+device-wheels: $(STAMP)
+	$(VPY) -m pip download --quiet --no-deps --only-binary=:all: \
+	  --python-version $(DEVICE_PY_VERSION) $(addprefix --platform ,$(DEVICE_PLATFORMS)) \
+	  -d build/device_wheels -r requirements-device.txt
+
+# Run here, where transformers is: the peer side of the device check's model comparison.
+device-fixtures: $(STAMP)
+	$(VPY) -m experiments.device_check --write_peer_fixtures=build/device_fixtures

@@ -97,6 +97,14 @@ def test_smollm2_loads_fast_and_says_paris(smol):
   assert tok.decode(c.token_ids).startswith(" Paris")
 
 
+def test_random_smollm2_shapes_are_the_ggufs(smol):
+  """`random:smollm2-135m` (benchmarks, the device check) has the bundled model's shapes."""
+  assert registry.shape_config("smollm2-135m") == smol.config
+  shapes = lambda p: jax.tree.map(lambda a: a.shape, p)  # noqa: E731
+  assert shapes(jax.eval_shape(lambda: decoder.init_params(
+      smol.config, jax.random.key(0)))) == shapes(smol.params)
+
+
 def test_smollm2_logits_match_transformers_gguf_loader(smol, hf_smol):
   _, model = hf_smol
   ids = smol.tokenizer.encode("The capital of France is Paris. 12 + 35 = 47, and then")

@@ -6,28 +6,9 @@ import pytest
 import torch
 import transformers
 
+from experiments.peer_models import HF_CLASSES, hf_logits, hf_model
 from fr_jax.models import decoder, registry
-from fr_jax.models.config import to_hf_config
 from fr_jax.models.hf_io import load_hf, save_hf
-
-HF_CLASSES = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
-              "qwen3": transformers.Qwen3ForCausalLM}
-
-
-def hf_model(cfg, seed):
-  hf_cfg = transformers.AutoConfig.for_model(**to_hf_config(cfg))
-  hf_cfg._attn_implementation = "eager"
-  torch.manual_seed(seed)
-  model = HF_CLASSES[cfg.family](hf_cfg).eval()
-  with torch.no_grad():  # randomise everything, norms and biases included
-    for p in model.parameters():
-      p.copy_(torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.05) + (1.0 if p.ndim == 1 else 0))
-  return model
-
-
-def hf_logits(model, tokens):
-  with torch.no_grad():
-    return model(torch.as_tensor(tokens)).logits.float().numpy()
 
 
 def our_logits(params, cfg, tokens):

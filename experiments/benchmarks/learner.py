@@ -35,6 +35,7 @@ from absl import app, flags, logging
 import numpy as np
 
 from experiments.benchmarks.common import emitter, machine, timed
+from experiments.benchmarks.learner_cases import CASES, make_trajectories
 
 emit = emitter("learner")
 
@@ -48,28 +49,6 @@ flags.DEFINE_integer("long_one", 0, "internal: measure one long row of this many
 flags.DEFINE_bool("long_run", True, "long case: also run one update (peak RSS, time), not "
                   "only compile it")
 F = flags.FLAGS
-
-CASES = {
-    "fixed": dict(B=8, row_len=256, buckets=(8,)),
-    "ragged": dict(B=16, row_len=1024, buckets=(1, 2, 3, 4, 5, 6, 7, 8)),
-}
-
-
-def make_trajectories(case, vocab, rng):
-  from fr_jax.trajectory import Trajectory
-  out = []
-  for i in range(CASES[case]["B"]):
-    if case == "fixed":
-      P, C = 64, 192
-    else:
-      P = int(rng.integers(30, 121))
-      C = int(np.clip(rng.lognormal(np.log(160), 0.8), 8, 900))
-    mask = rng.random(C) >= 0.1
-    mask[0] = True
-    out.append(Trajectory(f"{case}{i}", rng.integers(0, vocab, P), rng.integers(0, vocab, C),
-                          mask, np.zeros(C, np.float32), float(rng.integers(0, 2)), 0))
-  return out
-
 
 def set_behaviour_logp(trajs, params, cfg, row_len, rng):
   """Behaviour log-probs = the model's own log-probs of each completion token + noise,

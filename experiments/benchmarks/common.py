@@ -31,3 +31,17 @@ def machine() -> dict:
   return {"platform": platform.platform(), "python": platform.python_version(),
           "cpu_count": os.cpu_count(), "jax": jax.__version__,
           "backend": jax.default_backend(), "device": str(jax.devices()[0])}
+
+
+def torch_matmul_peak(n: int = 2048, repeats: int = 5) -> float:
+  """FLOP/s of an n x n f32 matmul in torch (its default threads): the peer's own kernel peak,
+  to read a speed ratio against the two libraries' matmuls."""
+  import torch
+  a = torch.randn(n, n)
+  torch.mm(a, a)
+  ts = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    torch.mm(a, a)
+    ts.append(time.perf_counter() - t0)
+  return 2 * n**3 / statistics.median(ts)

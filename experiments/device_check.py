@@ -281,12 +281,17 @@ def section_learner(ctx):
   small, large = ("tiny-qwen3", "tiny-qwen2") if F.dry else (
       "random:smollm2-135m", "random:r1-distill-qwen-1.5b")
   rng = np.random.default_rng(0)
-  vocab = registry.TINY_CONFIGS["tiny-qwen3"].vocab_size if F.dry else 49152
-  ok = _update_case(ctx, "fixed_8x256", small, make_trajectories("fixed", vocab, rng), 256, (8,))
+
+  def vocab(name):  # without loading the weights
+    return (registry.TINY_CONFIGS.get(name)
+            or registry.shape_config(name.removeprefix("random:"))).vocab_size
+
+  fixed = make_trajectories("fixed", vocab(small), rng)
+  ok = _update_case(ctx, "fixed_8x256", small, fixed, 256, (8,))
   L = 512 if F.dry else 16384
-  vocab = 256 if F.dry else registry.shape_config("r1-distill-qwen-1.5b").vocab_size
   P, C = 256, L - 256
-  long = [Trajectory(f"long{L}", rng.integers(0, vocab, P), rng.integers(0, vocab, C),
+  long = [Trajectory(f"long{L}", rng.integers(0, vocab(large), P),
+                     rng.integers(0, vocab(large), C),
                      np.ones(C, bool), np.full(C, -1.0, np.float32), 1.0, 0)]
   ok &= _update_case(ctx, f"one_row_{L}", large, long, L, (1,))
   return ok

@@ -6,14 +6,22 @@ r"""The learner as its own process: serves gRPC to rollout workers (`launch/work
   python -m launch.learner --config=... --address=0.0.0.0:50051 --auth_token=$TOKEN
   python -m launch.learner --config=... --address=0.0.0.0:50051 --tls_cert=server.pem \
       --tls_key=server.key --tls_client_ca=ca.pem
-  # a multi-host learner mesh: one process per host
+  # a multi-host learner mesh: one process per host, the same command on each
   python -m launch.learner --config=... --coordinator_address=host0:1234 \
-      --num_processes=4 --process_id=$I
+      --num_processes=4 --process_id=$I --address=0.0.0.0:50051 --auth_token=$TOKEN
+  # on Slurm or TPU VMs JAX finds the coordinator, process count and id itself
+  python -m launch.learner --config=... --distributed --address=0.0.0.0:50051 ...
 
 It resumes from the last checkpoint in run_dir, updates until config.max_updates, then tells
 workers to stop and prints one JSON line with the run summary (updates,
 trajectories_admitted, rejected_by_reason, max_lag, learner_idle_fraction, ...). SIGTERM or
 Ctrl-C saves a checkpoint and stops cleanly.
+
+With several processes (`--distributed` or `--coordinator_address`), every process builds the
+learner on one global mesh; process 0 serves gRPC, admits records, writes metrics and drives
+the run, and the others make each learner call it announces (`fr_jax/learner/multihost.py`,
+docs/system.md). Workers and weight relays connect to process 0 only. The run directory
+(checkpoints) must be one that every process can write: each writes its own shards.
 """
 
 import os
@@ -36,9 +44,13 @@ flags.DEFINE_string("tls_client_ca", "", "PEM CA: require client certificates it
 flags.DEFINE_string("port_file", "", "write the bound port here once serving")
 flags.DEFINE_float("linger_s", 3.0, "after the last update, keep serving this long so "
                    "workers hear the shutdown")
-flags.DEFINE_string("coordinator_address", "", "jax.distributed coordinator (multi-host)")
-flags.DEFINE_integer("num_processes", 1, "jax.distributed: processes in the learner job")
-flags.DEFINE_integer("process_id", 0, "jax.distributed: this process's index")
+flags.DEFINE_bool("distributed", False, "join a multi-process learner (jax.distributed); "
+                  "without --coordinator_address JAX detects it (Slurm, TPU VMs, ...)")
+flags.DEFINE_string("coordinator_address", "", "jax.distributed coordinator host:port "
+                    "(implies --distributed)")
+flags.DEFINE_integer("num_processes", 0, "jax.distributed: processes in the learner "
+                     "(0: detected)")
+flags.DEFINE_integer("process_id", -1, "jax.distributed: this process's index (-1: detected)")
 FLAGS = flags.FLAGS
 
 
@@ -46,10 +58,12 @@ def main(argv):
   if len(argv) > 1:
     common.fail(f"unexpected arguments {argv[1:]}")
   c = common.load_config()
-  if FLAGS.coordinator_address:
+  if FLAGS.distributed or FLAGS.coordinator_address:
+    from fr_jax.learner import multihost
+    multihost.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
     import jax
-    jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes,
-                               FLAGS.process_id)
+    if jax.process_index() != 0:
+      return follow(c)
   from fr_jax.transport import server as srv
   address = FLAGS.address or c.service.address
   tls = dict(tls_cert=FLAGS.tls_cert, tls_key=FLAGS.tls_key, tls_client_ca=FLAGS.tls_client_ca)
@@ -81,6 +95,18 @@ def main(argv):
     srv.stop(server, grace=1.0)
     learner.close()
   common.print_json(summary)
+
+
+def follow(c):
+  """A process other than 0: the same learner, making the calls process 0 announces."""
+  import jax
+
+  from fr_jax.learner.learner import Learner
+  learner = Learner(c, model=common.load_model(c))
+  print(f"learner process {jax.process_index()} of {jax.process_count()} following "
+        "process 0", flush=True)
+  learner.follow()
+  common.print_json({"process": jax.process_index(), "version": learner.version})
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ bisection, without touching the state.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Optional, Sequence
@@ -28,6 +29,7 @@ from fr_jax import objective as obj
 from fr_jax.learner import checkpoint as ckpt
 from fr_jax.learner import config as lcfg
 from fr_jax.learner import mesh as meshlib
+from fr_jax.learner import multihost
 from fr_jax.learner import optim, step
 from fr_jax.learner.metrics import MetricsWriter
 from fr_jax.models import decoder, registry
@@ -116,13 +118,35 @@ def compile_update_from_shapes(config: ml_collections.ConfigDict, model_config, 
   return fn.lower(state, None, batch, stats).compile(), mesh
 
 
+def _collective(method):
+  """A learner call that every process of a multi-process learner makes: process 0
+  announces it (`multihost.Group.announce`) before making it; the others make it in
+  `Learner.follow`."""
+  @functools.wraps(method)
+  def call(self, *args, **kwargs):
+    if self.group is not None and self.group.leader:
+      trajs = args[0] if args and isinstance(args[0], (list, tuple)) else None
+      if trajs is None and args:
+        raise TypeError(f"{method.__name__}: pass arguments other than trajectories by name")
+      self.group.announce(method.__name__, trajs, kwargs)
+    return method(self, *args, **kwargs)
+
+  return call
+
+
 class Learner:
-  """Owns the train state, the mesh, compiled steps, checkpoints and metric files."""
+  """Owns the train state, the mesh, compiled steps, checkpoints and metric files.
+
+  With several JAX processes (`jax.distributed`), every process holds one; process 0's
+  drives the run and the others `follow()` it (see `multihost`). Only process 0 writes
+  metric files."""
 
   def __init__(self, config: ml_collections.ConfigDict,
-               model: Optional[registry.LoadedModel] = None, devices=None):
+               model: Optional[registry.LoadedModel] = None, devices=None,
+               group: Optional[multihost.Group] = None):
     self.config = lcfg.validate(config)
     c = self.config
+    self.group = group if group is not None else multihost.group()
     if model is None:
       model = registry.load(c.model.name, param_dtype=c.model.param_dtype,
                             compute_dtype=c.model.compute_dtype, seed=c.model.seed)
@@ -138,7 +162,7 @@ class Learner:
     dtype = jnp.dtype(c.model.param_dtype)
     # A copy: updates donate the state's buffers, which must never alias the caller's model.
     params = jax.tree.map(lambda a: jnp.array(a, dtype, copy=True), model.params)
-    params = jax.device_put(params, meshlib.params_sharding(params, self.mesh))
+    params = meshlib.put(params, meshlib.params_sharding(params, self.mesh))
     self._state_shardings = state_shardings(params, self.optimizer, self.mesh)
     self.state = jax.jit(lambda p: step.init_state(p, self.optimizer),
                          out_shardings=self._state_shardings)(params)
@@ -153,13 +177,18 @@ class Learner:
                                            keep=c.checkpoint.keep,
                                            async_save=c.checkpoint.async_save)
                          if c.checkpoint.dir else None)
-    self.writer = MetricsWriter(c.log.dir)
+    self.writer = MetricsWriter(c.log.dir if self.is_leader else "")
     self._peak = float(c.log.peak_flops) or measure_peak_flops(c.model.compute_dtype)
     self._jit_finite = jax.jit(lambda acc: jnp.isfinite(acc["sums"]["loss"]) &
                                jnp.isfinite(optax.tree.norm(acc["grads"])))
     self._last_saved = -1
 
   # --- state ---
+  @property
+  def is_leader(self) -> bool:
+    """Process 0 of a multi-process learner, or the only process."""
+    return self.group is None or self.group.leader
+
   @property
   def version(self) -> int:
     """Policy version of the current parameters: optimizer steps applied."""
@@ -218,7 +247,7 @@ class Learner:
   def _device_batch(self, b, values_S=None):
     if values_S is not None:
       b = b._replace(rewards=values_S)
-    return jax.device_put(b, meshlib.batch_sharding(b, self.mesh))
+    return meshlib.put(b, meshlib.batch_sharding(b, self.mesh))
 
   def _grpo_advantages(self, trajs: Sequence[Trajectory]) -> np.ndarray:
     ids = {}
@@ -233,8 +262,8 @@ class Learner:
     B = len(trajs)
     T = float(sum(t.num_action_tokens for t in trajs))
     # Whole-batch normalisers: every micro-batch sees B, sum R (as B * mean) and sum T.
-    stats = jax.device_put(obj.BatchStats(np.float32(B), np.float32(reward_mean * B),
-                                          np.float32(T)), meshlib.replicated(self.mesh))
+    stats = meshlib.put(obj.BatchStats(np.float32(B), np.float32(reward_mean * B),
+                                       np.float32(T)), meshlib.replicated(self.mesh))
     dbs = []
     for b in packed.batches:
       vals = None
@@ -291,6 +320,7 @@ class Learner:
       acc = exe(self.state.params, acc, db, stats)
     return bool(self._jit_finite(acc))
 
+  @_collective
   def find_offenders(self, trajs: Sequence[Trajectory]) -> list[int]:
     """Indices of a smallest set of records whose removal makes the batch's objective finite
     (what is left is scored with its own normalisers, as the next update would be). Found by
@@ -317,6 +347,7 @@ class Learner:
       return []
     return minimize(list(range(len(trajs))), set())
 
+  @_collective
   def update(self, trajs: Sequence[Trajectory], *, log_ids: bool = True,
              validated: bool = False) -> dict:
     """One fresh batch: validates (unless the caller did, against `record_limits` or
@@ -350,6 +381,7 @@ class Learner:
     return m
 
   # --- checkpoints and export ---
+  @_collective
   def save(self, data_state=None, *, force: bool = False, extra: Optional[dict] = None) -> bool:
     """Saves (asynchronously) every `checkpoint.every` versions, or now with force=True."""
     if self.checkpointer is None:
@@ -366,6 +398,7 @@ class Learner:
             "skipped": int(self.state.skipped), "extra": extra or {}}
     return self.checkpointer.save(v, state, meta, force=force)
 
+  @_collective
   def restore(self, step_: Optional[int] = None) -> Optional[dict]:
     """Restores the latest checkpoint if there is one; returns its meta (with data_state)."""
     if self.checkpointer is None or self.checkpointer.latest_step() is None:
@@ -375,12 +408,35 @@ class Learner:
     log.info("restored checkpoint at version %d from %s", s, self.checkpointer.dir)
     return meta
 
-  def export_hf(self, path) -> str:
-    """Writes the current parameters as a HF safetensors directory (for SGLang)."""
-    params = jax.device_get(self.state.params)
+  @_collective
+  def snapshot_params(self):
+    """A copy of the current parameters that the next update cannot donate: on device
+    where this process holds them all, else gathered to host memory (on every process)."""
+    if all(a.is_fully_addressable for a in jax.tree.leaves(self.state.params)):
+      params = jax.tree.map(jnp.copy, self.state.params)
+      return jax.block_until_ready(params)
+    from jax.experimental import multihost_utils
+    return multihost_utils.process_allgather(self.state.params, tiled=True)
+
+  def export_hf(self, path, params=None) -> str:
+    """Writes the parameters (default: the current ones) as a HF safetensors directory
+    (for SGLang)."""
+    params = jax.device_get(self.state.params if params is None else params)
     files = self.tokenizer.files() if self.tokenizer is not None else None
     return str(save_hf(path, params, self.model_config, tokenizer_files=files))
 
+  def follow(self) -> None:
+    """On a process other than 0: makes each learner call process 0 announces, until it
+    closes."""
+    assert self.group is not None and not self.group.leader
+    while True:
+      method, trajs, kwargs = self.group.receive()
+      log.debug("following %s", method)
+      getattr(self, method)(*([] if trajs is None else [trajs]), **kwargs)
+      if method == "close":
+        return
+
+  @_collective
   def close(self):
     if self.checkpointer is not None:
       self.checkpointer.close()

@@ -62,3 +62,18 @@ def batch_sharding(batch, mesh):
 
 def replicated(mesh):
   return NamedSharding(mesh, P())
+
+
+def put(tree, shardings):
+  """`tree` (the same host values on every process) as global arrays on `shardings` (a tree
+  of the same structure, or one sharding for all). Where a sharding spans other processes'
+  devices, each process places only the shards of its own devices."""
+  def one(x, sharding):
+    if sharding.is_fully_addressable:
+      return jax.device_put(x, sharding)
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+  if isinstance(shardings, jax.sharding.Sharding):
+    return jax.tree.map(lambda x: one(x, shardings), tree)
+  return jax.tree.map(one, tree, shardings)

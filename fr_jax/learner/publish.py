@@ -1,7 +1,8 @@
 """Weight publication: the snapshot of the learner's parameters that workers load.
 
-Updates donate the live parameter buffers, so a published version is a device copy, taken
-between updates and handed out by version (`weights(min_version)`), never the live state.
+Updates donate the live parameter buffers, so a published version is a copy
+(`Learner.snapshot_params`: on device, or in host memory when the learner spans processes),
+taken between updates and handed out by version (`weights(min_version)`), never the live state.
 With an HF export directory each publication is also written as HF safetensors for SGLang
 fleets (`vNNNNNNNN`, the last two kept).
 """
@@ -11,9 +12,6 @@ from __future__ import annotations
 import shutil
 import threading
 from pathlib import Path
-
-import jax
-import jax.numpy as jnp
 
 
 class Publisher:
@@ -32,11 +30,10 @@ class Publisher:
 
   def publish(self, version: int) -> None:
     """Snapshots the learner's current parameters as `version` (call between updates)."""
-    params = jax.tree.map(jnp.copy, self.learner.params)
-    jax.block_until_ready(params)
+    params = self.learner.snapshot_params()
     if self.hf_export_dir:
       path = Path(self.hf_export_dir) / f"v{version:08d}"
-      self.learner.export_hf(path)
+      self.learner.export_hf(path, params)
       self.hf_dir = str(path)
       for old in sorted(Path(self.hf_export_dir).glob("v*"))[:-2]:  # keep the last two
         shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,111 @@
+"""One process of a (possibly multi-process) learner, for the multi-host equality test.
+
+  python -m tests.multihost_driver --workdir=DIR --until=N --local_devices=4 \
+      --num_processes=2 --process_id=I --coordinator=127.0.0.1:PORT
+
+Each process sees `local_devices` CPU devices; with `num_processes` > 1 they form one global
+(data=2, fsdp=4) mesh through `jax.distributed` with gloo collectives. Process 0 runs the
+learner service: it restores the latest checkpoint in DIR, then until version N offers the
+synthetic records of each version (records v*B .. v*B+B-1: what a version trains on does not
+depend on how the run was split), and the service updates, saves a checkpoint and publishes
+weights after each one. The other processes follow. Process 0 writes the published weights
+to DIR/params.npz.
+"""
+
+import os
+import sys
+
+from absl import app, flags
+
+flags.DEFINE_string("workdir", None, "checkpoints, metrics and the final params.npz")
+flags.DEFINE_integer("until", 5, "train until this policy version")
+flags.DEFINE_integer("local_devices", 8, "CPU devices in this process")
+flags.DEFINE_integer("num_processes", 1, "processes in the learner")
+flags.DEFINE_integer("process_id", 0, "this process")
+flags.DEFINE_string("coordinator", "", "jax.distributed coordinator host:port")
+flags.DEFINE_integer("fsdp", 4, "mesh fsdp axis (data = 8 / fsdp)")
+F = flags.FLAGS
+
+B = 8
+
+
+def config(workdir, fsdp):
+  from fr_jax.learner import config as lcfg
+  c = lcfg.default_config()
+  c.model.name = "tiny-qwen2"
+  c.batch_size = B
+  c.mesh.data, c.mesh.fsdp = 8 // fsdp, fsdp
+  c.packing.row_len = 64
+  c.packing.row_buckets = (8, 16)
+  c.objective.delta = float("inf")
+  c.optim.lr = 3e-3
+  c.optim.total_steps = 20
+  c.checkpoint.dir = f"{workdir}/ckpt"
+  c.checkpoint.every = 1
+  c.checkpoint.keep = 2
+  c.log.dir = workdir
+  c.log.peak_flops = 1e11
+  return c
+
+
+def flat_params(params) -> dict:
+  import jax
+  import numpy as np
+  return {"/".join(str(getattr(k, "key", k)) for k in path): np.asarray(a)
+          for path, a in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+
+def run(workdir: str, until: int, fsdp: int = 4) -> dict:
+  """The learner (process 0 leads, others follow) until version `until`; on process 0
+  returns the published weights as {name: array} with "version" (they are also written to
+  workdir/params.npz), elsewhere {}."""
+  import threading
+
+  import numpy as np
+
+  from fr_jax.learner import synthetic
+  from fr_jax.learner.learner import Learner
+  from fr_jax.learner.service import LearnerService
+  from fr_jax.transport import codec
+
+  learner = Learner(config(workdir, fsdp))
+  if not learner.is_leader:
+    learner.follow()
+    return {}
+  service = LearnerService(learner, queue_capacity=4 * B, publish_every=1,
+                           encode=codec.encode_record, decode=codec.decode_record)
+  service.restore()
+  stop = threading.Event()
+  while service.version < until:
+    v = service.version
+    for i in range(v * B, (v + 1) * B):
+      t = synthetic.synthetic_trajectory(i, vocab_size=learner.model_config.vocab_size,
+                                         max_len=60, version=v)
+      t.traj_id = f"synthetic/{i}"
+      ok, why = service.offer(t)
+      assert ok, why
+    service.step(service.next_batch(stop))
+  service.save(force=True)
+  v, params = service.weights()
+  out = dict(flat_params(params), version=np.int64(v))
+  np.savez(os.path.join(workdir, "params.npz"), **out)
+  service.close()
+  learner.close()
+  return out
+
+
+def main(argv):
+  del argv
+  import jax
+  jax.config.update("jax_num_cpu_devices", F.local_devices)
+  from fr_jax.learner import multihost
+  if F.num_processes > 1:
+    multihost.initialize(F.coordinator, F.num_processes, F.process_id)
+  out = run(F.workdir, F.until, F.fsdp)
+  if out:
+    print(f"version {int(out['version'])}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+  flags.mark_flag_as_required("workdir")
+  app.run(main)

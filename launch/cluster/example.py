@@ -1,0 +1,85 @@
+"""An example cluster: the Qwen2.5-Math-1.5B recipe on a 2-node learner and a 2-node SGLang
+fleet (Slurm or Kubernetes), or on a v5p-16 TPU VM for the learner.
+
+  python -m launch.cluster --cluster=launch/cluster/example.py --target=all --out=build/cluster
+  python -m launch.cluster --cluster=launch/cluster/example.py --target=slurm --out=DIR \\
+      --cluster.learner.nodes=4 --cluster.learner.mesh_data=4
+
+Hardware: 8 learner GPUs (2 nodes x 4) and 16 SGLang GPUs (2 nodes x 8) plus one CPU node for
+the router and 8 rollout workers; or a v5p-16 (2 hosts, 8 chips) for the learner. Time:
+rendering takes a few seconds; the run takes what the recipe says
+(experiments/configs/qwen25_math_1p5b.py).
+
+Every path is the same on every host: `workdir` holds this repository (and the run config,
+relative to it), `checkpoint` an HF checkpoint directory (on local disk or in the image). Only
+the learner hosts share `run_dir` (each learner process writes its part of a checkpoint).
+"""
+
+import ml_collections
+
+
+def get_config():
+  c = ml_collections.ConfigDict()
+  c.name = "fr-math"  # job name; Kubernetes objects are named NAME-learner, NAME-sglang, ...
+  c.run_config = "experiments/configs/qwen25_math_1p5b.py"  # relative to workdir
+  c.run_dir = "/shared/runs/fr-math"  # shared by the learner hosts only
+  c.checkpoint = "/ckpt/Qwen2.5-Math-1.5B"  # HF checkpoint dir: SGLang's --model-path too
+  c.workdir = "/opt/fr_jax"  # this repository on every host (the image's copy on Kubernetes)
+  c.python = "python"  # interpreter with fr_jax's requirements (and sglang-router)
+  c.image = "registry.example.com/fr_jax:latest"  # Kubernetes: fr_jax + sglang-router
+  # The shared gRPC token: read from this environment variable (Slurm, TPU VM) or the Secret
+  # k8s.token_secret (key "token"); never written into a rendered file.
+  c.token_env = "FR_JAX_TOKEN"
+  c.learner = ml_collections.ConfigDict(dict(
+      nodes=2,
+      devices_per_node=4,
+      port=50051,  # gRPC, served by process 0
+      coordinator_port=1234,  # jax.distributed on Kubernetes (Slurm and TPU VM pick their own)
+      mesh_data=2,  # --config.mesh.data; data * fsdp == nodes * devices_per_node
+      mesh_fsdp=4,
+  ))
+  c.sglang = ml_collections.ConfigDict(dict(
+      nodes=2,  # one server (and one weight relay) per node
+      gpus_per_node=8,
+      tp_size=1,  # tensor parallel; the server runs gpus_per_node / tp_size data-parallel copies
+      port=30000,
+      mem_fraction_static=0.8,
+      python="python",  # interpreter with sglang installed (Slurm)
+      extra_args=("--context-length=8192",),  # more sglang.launch_server arguments
+  ))
+  c.router = ml_collections.ConfigDict(dict(
+      port=8000,
+      startup_timeout_s=1800,  # how long the router waits for the servers to load the model
+  ))
+  c.workers = ml_collections.ConfigDict(dict(
+      count=8,  # rollout worker processes: prompt shards 0..count-1
+      nodes=1,  # Slurm: CPU nodes for the router and the workers
+      cpus=4,  # per worker (and for the router)
+  ))
+  c.relay = ml_collections.ConfigDict(dict(
+      dir="/tmp/fr_jax_relay",  # local disk beside each SGLang server: the weights it loads
+  ))
+  c.slurm = ml_collections.ConfigDict(dict(
+      partition="",  # empty: the cluster's default
+      account="",
+      time="24:00:00",
+      gpu_directive="gpus-per-node",  # or "gres" (--gres=gpu:N) on older clusters
+      output="slurm-%j.out",
+  ))
+  c.k8s = ml_collections.ConfigDict(dict(
+      namespace="default",
+      sglang_image="lmsysorg/sglang:latest",  # pin the tag you tested
+      gpu_resource="nvidia.com/gpu",
+      token_secret="fr-jax-token",  # a Secret with key "token" (see BUILD.md)
+      run_dir_pvc="",  # ReadWriteMany claim mounted at run_dir; empty: lost with the pods
+      checkpoint_pvc="",  # claim holding the checkpoint, mounted read-only; empty: in the image
+  ))
+  c.tpu = ml_collections.ConfigDict(dict(
+      name="fr-learner",
+      zone="us-east5-a",
+      accelerator_type="v5p-16",  # 8 chips on 2 hosts
+      runtime_version="v2-alpha-tpuv5",
+      mesh_data=2,  # data * fsdp == the slice's JAX devices
+      mesh_fsdp=4,
+  ))
+  return c

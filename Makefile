@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 TEST_JOBS ?= 2   # pytest-xdist processes (test files are kept whole per process)
 
 .PHONY: demo test test-all bench smoke chaos sandbox-check replication proto venv clean-venv help \
-        device-check device-wheels device-fixtures
+        device-check device-wheels device-fixtures tpu-tools
 
 DEMO_DIR ?= runs/demo
 REPLICATION_DIR ?= runs/replication
@@ -27,6 +27,8 @@ help:
 	@echo "make device-check  on a GPU machine: peers, attention, learner and engine (JSON lines)"
 	@echo "               DRY=1: the same at toy sizes on this CPU (part of make test)"
 	@echo "make device-wheels device-fixtures  here, before: what device-check brings along"
+	@echo "make tpu-tools add libtpu to .venv (requirements-tpu.txt): python -m launch.compile_check"
+	@echo "               AOT-compiles a recipe for a TPU topology here (docs/scale.md)"
 	@echo "make venv      only create/refresh .venv"
 
 venv: $(STAMP)
@@ -74,6 +76,11 @@ replication: $(STAMP)
 proto: $(STAMP)
 	$(VPY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. \
 	  fr_jax/transport/fr_jax.proto
+
+# Optional: libtpu, so that `python -m launch.compile_check` compiles for TPU topologies on
+# this machine (no TPU needed), and its test in make test runs instead of skipping.
+tpu-tools: $(STAMP)
+	$(VPY) -m pip install --quiet -r requirements-tpu.txt
 
 clean-venv:
 	rm -rf $(VENV)

@@ -12,6 +12,7 @@ from experiments.configs import _paper
 
 def get_config():
   c = _paper.base("FR_JAX_CKPT")
+  c.model.shapes = "qwen2.5-7b-instruct"  # for launch.compile_check (no checkpoint needed)
   c.batch_size = 128
   c.objective.delta = 1e-3
   c.max_updates = 600

@@ -16,6 +16,7 @@ from experiments.configs import _paper
 
 def get_config():
   c = _paper.base("FR_JAX_CKPT")
+  c.model.shapes = "qwen2.5-math-1.5b"  # for launch.compile_check (no checkpoint needed)
   c.batch_size = 128
   c.objective.delta = 3e-3
   c.max_updates = 2000

@@ -13,6 +13,7 @@ from experiments.configs import _paper
 
 def get_config():
   c = _paper.base("FR_JAX_CKPT")
+  c.model.shapes = "r1-distill-qwen-1.5b"  # for launch.compile_check (no checkpoint needed)
   c.batch_size = 128
   c.objective.delta = 5e-3
   c.max_updates = 6000

@@ -30,6 +30,9 @@ def default_config() -> ml_collections.ConfigDict:
       # attention memory linear in the row length.
       attention="auto",
       seed=0,  # init seed for random (tiny) models
+      # the registry SHAPES entry of this model's architecture: `launch.compile_check`
+      # compiles the update from it, without the checkpoint
+      shapes="",
   ))
   c.objective = ml_collections.ConfigDict(dict(
       loss="flash_reinforce",  # or grpo

@@ -5,8 +5,8 @@
 * `tiny-llama`, `tiny-qwen2`, `tiny-qwen3`: small random configs for tests;
   `tiny-chat`: a tiny random Llama with a byte-level tokenizer, for agent loops and smoke runs.
 * `random:NAME`: random weights in the real shapes of `SHAPES[NAME]` (smollm2-135m,
-  r1-distill-qwen-1.5b): benchmarks, compile checks and the device check, where the weights
-  are not there or not needed.
+  r1-distill-qwen-1.5b, qwen2.5-math-1.5b, qwen2.5-7b-instruct): benchmarks, compile
+  checks and the device check, where the weights are not there or not needed.
 * `hf:DIR` or a directory with config.json: a Hugging Face checkpoint.
 * `gguf:FILE` or a path ending in .gguf: a GGUF file.
 
@@ -70,6 +70,20 @@ SHAPES = {
         "vocab_size": 151936, "max_position_embeddings": 131072, "rope_theta": 10000,
         "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "bos_token_id": 151643,
         "eos_token_id": 151643},
+    # Qwen/Qwen2.5-Math-1.5B (R1-Distill-Qwen-1.5B's base: the same shapes, tied embeddings)
+    "qwen2.5-math-1.5b": {
+        "model_type": "qwen2", "hidden_size": 1536, "intermediate_size": 8960,
+        "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
+        "vocab_size": 151936, "max_position_embeddings": 4096, "rope_theta": 10000,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "bos_token_id": 151643,
+        "eos_token_id": 151643},
+    # Qwen/Qwen2.5-7B-Instruct
+    "qwen2.5-7b-instruct": {
+        "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
+        "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+        "vocab_size": 152064, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "bos_token_id": 151643,
+        "eos_token_id": 151645},
 }
 
 

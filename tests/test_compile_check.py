@@ -1,0 +1,100 @@
+"""launch.compile_check: a recipe's update AOT-compiled for a TPU topology from this CPU
+machine (libtpu, no TPU), and the registry shapes the paper's recipes compile from."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from launch import compile_check as cc
+
+REPO = Path(__file__).resolve().parents[1]
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                  reason="libtpu is not installed (optional: make tpu-tools)")
+
+
+@pytest.mark.parametrize("name,cls", [("qwen2.5-math-1.5b", "Qwen2ForCausalLM"),
+                                      ("r1-distill-qwen-1.5b", "Qwen2ForCausalLM"),
+                                      ("qwen2.5-7b-instruct", "Qwen2ForCausalLM")])
+def test_recipe_shapes_count_the_parameters_transformers_counts(name, cls):
+  """The shapes a compile check uses have the parameter count transformers builds from the
+  same config.json fields (on the meta device: no memory)."""
+  import torch
+  import transformers
+
+  from fr_jax.models import registry
+  hf = dict(registry.SHAPES[name])
+  config = getattr(transformers, cls.replace("ForCausalLM", "Config"))(**hf)
+  with torch.device("meta"):
+    model = getattr(transformers, cls)(config)
+  want = sum(p.numel() for p in model.parameters())
+  assert registry.shape_config(name).num_params == want
+
+
+def test_paper_recipes_name_their_shapes():
+  from fr_jax.models import registry
+  for recipe in ("qwen25_math_1p5b", "r1_distill_1p5b_longcot", "qwen25_7b_tool"):
+    c = importlib.import_module(f"experiments.configs.{recipe}").get_config()
+    assert c.model.shapes in registry.SHAPES, recipe
+
+
+def test_fit_mesh_keeps_the_recipe_mesh_where_it_can():
+  assert cc.fit_mesh(2, 4, 8) == (2, 4)  # the recipe's own
+  assert cc.fit_mesh(2, 4, 4) == (1, 4)
+  assert cc.fit_mesh(2, 4, 16) == (4, 4)
+  assert cc.fit_mesh(1, 8, 4) == (1, 4)  # fsdp 8 does not divide 4 devices
+
+
+_SCRIPT = """
+import json
+from experiments.configs import tiny_test
+from launch import compile_check as cc
+c = tiny_test.get_config()
+c.model.attention = "naive"
+print(json.dumps(cc.check(c, "v5p-8", rows_per_device=2)))
+print(json.dumps(cc.check(c, "v5e-8", rows_per_device=4096)))
+"""
+
+
+@needs_libtpu
+def test_tiny_update_compiles_for_tpu_and_an_oversized_one_does_not_fit():
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  r = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=REPO, env=env, capture_output=True,
+                     text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  fits, oom = [json.loads(line) for line in r.stdout.strip().splitlines()[-2:]]
+
+  from fr_jax.models import registry
+  from fr_jax.models.decoder import init_params
+  import jax
+  n_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(jax.eval_shape(
+      lambda: init_params(registry.TINY_CONFIGS["tiny-chat"], jax.random.key(0)))))
+  # v5p-8: 4 chips (megacore), the tiny recipe's 1x1 mesh becomes data=4; 2 rows each.
+  assert (fits["devices"], fits["mesh"], fits["device_kind"]) == (4, [4, 1], "TPU v5")
+  assert fits["fits"] and fits["tokens_per_micro_batch"] == 4 * 2 * 512
+  # Arguments per device: replicated f32 parameters and both Adam moments, plus this
+  # device's 2 packed rows (six [R, L] fields, at most 4 bytes a token) and the replicated
+  # per-segment fields. TPU memory lays arrays out in (8, 128) tiles, which pads this tiny
+  # model's small tensors: allow up to half as much again.
+  state = 3 * 4 * n_params
+  batch = 2 * 512 * 6 * 4 + 4 * 256 * 4
+  assert state + batch <= fits["memory_bytes"]["argument"] <= 1.5 * (state + batch)
+  assert fits["temp_gib"] > 0 and fits["peak_gib"] < fits["hbm_gib_per_device"]
+  # v5e-8: 16 GiB chips; 4,096 rows of 512 tokens per device is far over.
+  assert oom["fits"] is False and oom["devices"] == 8
+  assert "RESOURCE_EXHAUSTED" in oom["error"]
+  assert oom["peak_gib"] > oom["limit_gib"] and 15 < oom["limit_gib"] <= 16
+
+
+def test_cli_refuses_an_unknown_topology_in_one_line():
+  r = subprocess.run([sys.executable, "-m", "launch.compile_check",
+                      "--config=experiments/configs/tiny_test.py", "--topology=v9z-8"],
+                     cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert r.returncode == 2
+  assert r.stderr.strip().splitlines() == [
+      "error: --topology=v9z-8: choose one of " + ", ".join(cc.TOPOLOGIES)]

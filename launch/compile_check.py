@@ -20,7 +20,8 @@ micro-batch the learner can be handed).
 
 Prints one JSON line: per-device memory (arguments, outputs, temporaries, generated code,
 peak = arguments + outputs + temporaries - aliased), the chip's HBM, whether it fits, and the
-analytic FLOPs per micro-batch with the tokens/s those give at `--mfu`. A program over the
+analytic FLOPs per micro-batch with the tokens/s those give at `--mfu`, and the FLOPs and
+seconds of the longest update the recipe can make (B trajectories of agent.max_total_tokens). A program over the
 chip's memory fails to compile with RESOURCE_EXHAUSTED, as it would on the chips; that is
 reported as `fits: false` with the sizes XLA named. Exit status 0 either way (1 on any other
 compile error).
@@ -151,6 +152,10 @@ def check(c, topology: str, rows_per_device: int = 0, mfu: float = 0.4) -> dict:
   L = c.packing.row_len
   tokens = rows * L
   flops = 3 * model.flops_per_token(L) * tokens  # forward + backward, no recomputation
+  # The longest batch the recipe can make: B trajectories of agent.max_total_tokens each.
+  step_tokens = c.batch_size * c.minibatches * c.agent.max_total_tokens if "agent" in c else 0
+  step_flops = step_tokens * flops / tokens
+  peak_flops = t.peak_bf16_tflops * 1e12 * n
   out = dict(topology=topology, devices=n, hosts=1 + max(d.process_index for d in devices),
              device_kind=devices[0].device_kind, model=c.model.shapes or c.model.name,
              params_b=round(model.num_params / 1e9, 3), recipe_mesh=list(recipe_mesh),
@@ -158,8 +163,10 @@ def check(c, topology: str, rows_per_device: int = 0, mfu: float = 0.4) -> dict:
              tokens_per_micro_batch=tokens, attention=c.model.attention,
              remat=bool(c.model.remat), compute_dtype=c.model.compute_dtype,
              param_dtype=c.model.param_dtype, hbm_gib_per_device=t.hbm_gib,
-             flops_per_micro_batch=flops,
-             tokens_per_s_at_mfu=round(mfu * t.peak_bf16_tflops * 1e12 * n * tokens / flops),
+             flops_per_micro_batch=flops, max_tokens_per_step=step_tokens,
+             flops_per_max_step=step_flops,
+             tokens_per_s_at_mfu=round(mfu * peak_flops * tokens / flops),
+             max_step_s_at_mfu=round(step_flops / (mfu * peak_flops), 2),
              assumed_mfu=mfu, peak_bf16_tflops_per_device=t.peak_bf16_tflops)
   gib = lambda b: round(b / 2**30, 3)  # noqa: E731
   t0 = time.perf_counter()

@@ -5,6 +5,16 @@ subset of SGLang's native API that fr_jax's client uses (/generate, /update_weig
 /pause_generation, /continue_generation, /abort_request, /health), with the documented field
 names, and answers with fr_jax's embedded engine. It rejects fields it does not know, so a
 client that drifts from the documented API fails here.
+
+sglang-router (a real router, tests/test_weight_relay.py) re-serialises /generate with every
+field of SGLang's request type at its default; those are accepted at exactly those defaults
+(`ROUTER_DEFAULTS`). Each server counts the /generate calls it answered and records every
+weight load (`loads`: version, path, time), so tests can see how a router spread requests and
+when each server switched weights.
+
+`PublishedWeights` stands in for the learner's side of the weight service: what
+`fr_jax.transport.server.serve` needs from a LearnerService for GetWeights and Heartbeat,
+over parameters published by hand (the weight relay's tests and benchmark).
 """
 
 from __future__ import annotations
@@ -13,14 +23,25 @@ import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
-from fr_jax.models import registry
+import jax.numpy as jnp
+import numpy as np
+from safetensors import safe_open
+
+from fr_jax.models import decoder, hf_io, registry
+from fr_jax.models.config import from_hf_config
+from fr_jax.models.hf_io import CheckpointError
 from fr_jax.rollout.embedded import EmbeddedEngine
 from fr_jax.rollout.engine import Request
 
 GENERATE_KEYS = {"input_ids", "sampling_params", "return_logprob", "logprob_start_len", "rid"}
 SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "skip_special_tokens",
                  "no_stop_trim", "sampling_seed", "stop_token_ids", "stop"}
+# Fields of SGLang's GenerateReqInput that sglang-router 0.3.2 always sends, at these values.
+ROUTER_DEFAULTS = {"model": None, "return_text_in_logprobs": False, "stream": False,
+                   "log_metrics": True, "return_hidden_states": False, "background": False,
+                   "no_logs": False, "return_bytes": False, "return_entropy": False}
 
 
 class _Pending:
@@ -30,10 +51,16 @@ class _Pending:
 
 class StandInSGLang:
   def __init__(self, model: registry.LoadedModel, *, num_slots: int = 4, max_len: int = 256,
-               step_delay: float = 0.0):
+               step_delay: float = 0.0, drop_before_load: bool = False):
     self.engine = EmbeddedEngine(model.config, model.params, tokenizer=model.tokenizer,
                                  num_slots=num_slots, max_len=max_len)
     self.model_config = model.config
+    # Free the old weights before reading the new ones (tensor by tensor), as SGLang
+    # overwrites its own in place: two copies of a big model need not fit. A failed load then
+    # leaves none.
+    self.drop_before_load = drop_before_load
+    self.loads: list[tuple[int, str, float]] = []  # (version, path, time.time() when loaded)
+    self.generated = 0  # /generate calls answered
     self.cond = threading.Condition()
     self.queue: list[_Pending] = []
     self.paused = False
@@ -85,6 +112,9 @@ class StandInSGLang:
 
   # --- endpoints ---
   def generate(self, body: dict) -> dict:
+    for k, v in ROUTER_DEFAULTS.items():
+      if k in body and body.pop(k) != v:
+        raise ValueError(f"{k}={v!r} is the only value this stand-in supports")
     unknown = set(body) - GENERATE_KEYS
     sp = body.get("sampling_params", {})
     unknown |= {f"sampling_params.{k}" for k in set(sp) - SAMPLING_KEYS}
@@ -105,6 +135,8 @@ class StandInSGLang:
       self.cond.notify_all()
     p.done.wait()
     c, version = p.result
+    with self.cond:
+      self.generated += 1
     return {"text": None, "output_ids": c.token_ids, "meta_info": {
         "id": req.request_id, "finish_reason": {"type": c.finish_reason},
         "prompt_tokens": len(req.prompt_ids), "completion_tokens": len(c.token_ids),
@@ -131,12 +163,56 @@ class StandInSGLang:
     unknown = set(body) - {"model_path", "weight_version", "flush_cache", "load_format"}
     if unknown:
       raise ValueError(f"unknown fields {sorted(unknown)}")
-    m = registry.load(f"hf:{body['model_path']}")
-    if m.config.replace(param_dtype="float32") != self.model_config.replace(
-        param_dtype="float32"):
+    path = Path(body["model_path"])
+    try:
+      hf = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+      return {"success": False, "message": f"cannot read {path}/config.json: {e}"}
+    same = dict(param_dtype=self.model_config.param_dtype,
+                compute_dtype=self.model_config.compute_dtype)
+    if from_hf_config(hf, **same) != self.model_config.replace(attention="auto"):
       return {"success": False, "message": "architecture differs from the served model"}
-    self.engine.update_weights(m.params, int(body.get("weight_version", 0)))
+    version = int(body.get("weight_version", 0))
+    if self.drop_before_load:
+      self.engine.params = None
+    try:
+      params = self._read_in_served_layout(path)
+    except (OSError, CheckpointError) as e:
+      return {"success": False, "message": f"cannot load {path}: {e}"}
+    # the engine's update_weights, minus its re-layout (the tensors came in that layout)
+    self.engine.params, self.engine.version = params, version
+    del params
+    with self.cond:
+      self.loads.append((version, str(path), time.time()))
     return {"success": True, "message": f"loaded {body['model_path']}"}
+
+  def _read_in_served_layout(self, path: Path) -> dict:
+    """The HF checkpoint at `path` in the engine's decode layout (`decoder.decode_layout`),
+    read one tensor at a time, as SGLang loads into its weights in place: the load needs
+    the model once plus one tensor, not the two to three copies of `registry.load`."""
+    cfg = self.model_config
+    dtype = jnp.dtype(cfg.param_dtype)
+    files = hf_io._weight_files(path)
+    handles = [safe_open(str(f), framework="numpy") for f in files]
+    where = {k: h for h in handles for k in h.keys()}
+
+    def take(name, shape, transpose=False):
+      if name not in where:
+        raise CheckpointError(f"tensor {name!r} is missing")
+      a = where[name].get_tensor(name)
+      a = a.T if transpose else a
+      if a.shape != tuple(shape):
+        raise CheckpointError(f"{name!r} has shape {a.shape}, the served model {shape}")
+      return jnp.asarray(np.ascontiguousarray(a), dtype)
+
+    shapes = decoder.param_shapes(cfg)
+    out = {k: take(hf_name, shapes[k]) for k, hf_name in hf_io._TOP_NAMES.items()
+           if k in shapes}
+    out["layer_list"] = tuple(
+        {k: take(f"model.layers.{i}.{hf_io._LAYER_NAMES[k][0]}", shape[1:],
+                 hf_io._LAYER_NAMES[k][1]) for k, shape in shapes["layers"].items()}
+        for i in range(cfg.num_layers))
+    return out
 
   def abort_request(self, body: dict) -> dict:
     with self.cond:
@@ -189,3 +265,37 @@ class StandInSGLang:
           self._send(400, {"error": f"{type(e).__name__}: {e}"})
 
     return Handler
+
+
+class PublishedWeights:
+  """The learner's side of the weight service and nothing else: what `serve` needs from a
+  LearnerService (weights by version, heartbeats with the shutdown flag), over parameters
+  published by hand."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._published = (-1, None)
+    self.shutdown = threading.Event()
+    self.hf_dir = ""
+    self.workers: dict = {}  # worker id -> its last stats
+
+  def publish(self, version: int, params) -> None:
+    with self._lock:
+      self._published = (version, params)
+
+  @property
+  def version(self) -> int:
+    return self._published[0]
+
+  def weights(self, min_version: int = 0):
+    with self._lock:
+      v, p = self._published
+    return (v, p) if v >= min_version else None
+
+  def heartbeat(self, worker_id: str, stats: dict) -> dict:
+    self.workers[worker_id] = stats
+    return dict(version=self.version, queue_depth=0, queue_capacity=0, inflight_target=0,
+                shutdown=self.shutdown.is_set(), hf_dir=self.hf_dir)
+
+  def system_metrics(self) -> dict:
+    return {}

@@ -11,8 +11,14 @@ gateway in front of a fleet).
   from prompt + partial tokens with the remaining budget, so every token carries the version
   that really sampled it.
 
+Behind sglang-router (a fleet), generation goes through the router, but weight updates do
+not: the router does not forward `/update_weights_from_disk`, so a weight relay beside each
+server (`launch/weight_relay.py`) calls `update_weights` on that server alone, and each answer's
+`weight_version` says which server's weights produced its tokens.
+
 SGLang needs CUDA; this client is tested here against a stand-in server that speaks this API
-subset (`tests/sglang_standin.py`), backed by the embedded engine.
+subset (`tests/sglang_standin.py`), backed by the embedded engine, and behind the real
+sglang-router (`tests/test_weight_relay.py`).
 """
 
 from __future__ import annotations

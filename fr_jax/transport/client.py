@@ -22,11 +22,15 @@ An acknowledged record is in the learner's admission log, which survives its res
 for the chaos run, `launch.worker --ack_ledger`).
 `LocalClient` calls the service directly: threads in one process share the model and the
 devices, and nothing is serialised.
+`WeightsClient` is the part of `GrpcClient` without a trajectory stream (weights and
+heartbeats only), for processes that only follow the learner's weights: the weight relay
+beside each SGLang server (`fr_jax/transport/relay.py`).
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import threading
 import time
@@ -86,11 +90,11 @@ def channel_credentials(tls_ca: str, tls_cert: str = "", tls_key: str = ""):
       certificate_chain=read(tls_cert) if tls_cert else None)
 
 
-class GrpcClient:
+class WeightsClient:
+  """Weights and heartbeats over gRPC; no trajectory stream."""
+
   def __init__(self, address: str, *, worker_id: str = "worker", token: str = "",
-               tls_ca: str = "", tls_cert: str = "", tls_key: str = "", outbox_size: int = 8,
-               max_unacked: int = 8, backoff_min: float = 0.2, backoff_max: float = 5.0,
-               on_ack: Optional[Callable[[str, bool, str], None]] = None):
+               tls_ca: str = "", tls_cert: str = "", tls_key: str = ""):
     self.address, self.worker_id = address, worker_id
     if tls_ca:
       self.channel = grpc.secure_channel(address, channel_credentials(tls_ca, tls_cert, tls_key),
@@ -99,6 +103,70 @@ class GrpcClient:
       self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     self.stub = rpc.Stub(self.channel)
     self._md = (("authorization", f"Bearer {token}"),) if token else None
+
+  def fetch_weights(self, min_version: int, timeout: float = 300.0):
+    """(version, {name: NumPy array}, hf_dir), or None when the learner's weights are older
+    than `min_version`. Chunks are assembled as they arrive (no second copy of the stream).
+    Raises codec.WeightsError: `unreachable` (no chunk came), `stream_cut` (the stream broke
+    after some), or the codec's reasons for a stream that arrived damaged."""
+    got = 0
+
+    def counted(stream):
+      nonlocal got
+      for c in stream:
+        got += 1
+        yield c
+
+    call = self.stub.GetWeights(
+        pb.WeightsRequest(min_version=min_version, worker_id=self.worker_id),
+        metadata=self._md, timeout=timeout)
+    try:
+      chunks = counted(call)
+      first = next(chunks, None)
+      if first is None:
+        return None
+      return codec.assemble_weights(itertools.chain([first], chunks))
+    except grpc.RpcError as e:
+      reason = "stream_cut" if got else "unreachable"
+      raise codec.WeightsError(reason, f"weights from {self.address} after {got} chunks: "
+                               f"{e.code()} {e.details()}") from None
+    finally:
+      call.cancel()  # a no-op once the stream has ended; frees it after a damaged chunk
+
+  def get_weights(self, min_version: int, timeout: float = 300.0):
+    """(version, params as jax arrays, hf_dir); None if nothing that new, or if the fetch
+    failed (logged)."""
+    try:
+      got = self.fetch_weights(min_version, timeout)
+    except codec.WeightsError as e:
+      log.warning("weights fetch from %s failed: %s", self.address, e)
+      return None
+    if got is None:
+      return None
+    v, flat, hf_dir = got
+    return v, codec.unflatten({k: jnp.asarray(a) for k, a in flat.items()}), hf_dir
+
+  def heartbeat(self, stats: dict, timeout: float = 5.0) -> Optional[dict]:
+    try:
+      r = self.stub.Heartbeat(pb.WorkerStats(worker_id=self.worker_id, **stats),
+                              metadata=self._md, timeout=timeout)
+    except grpc.RpcError:
+      return None
+    return dict(version=r.version, queue_depth=r.queue_depth, queue_capacity=r.queue_capacity,
+                inflight_target=r.inflight_target, shutdown=r.shutdown, hf_dir=r.hf_dir,
+                stats_json=r.stats_json)
+
+  def close(self):
+    self.channel.close()
+
+
+class GrpcClient(WeightsClient):
+  def __init__(self, address: str, *, worker_id: str = "worker", token: str = "",
+               tls_ca: str = "", tls_cert: str = "", tls_key: str = "", outbox_size: int = 8,
+               max_unacked: int = 8, backoff_min: float = 0.2, backoff_max: float = 5.0,
+               on_ack: Optional[Callable[[str, bool, str], None]] = None):
+    super().__init__(address, worker_id=worker_id, token=token, tls_ca=tls_ca,
+                     tls_cert=tls_cert, tls_key=tls_key)
     self._cv = threading.Condition()  # guards the outbox, the pending records, _gen
     self._outbox: collections.deque = collections.deque()  # pushed, not yet sent
     self._pending: collections.OrderedDict = collections.OrderedDict()  # sent, not acked
@@ -208,31 +276,6 @@ class GrpcClient:
   def unacknowledged(self) -> int:
     with self._cv:
       return len(self._outbox) + len(self._pending)
-
-  # --- weights and stats ---
-  def get_weights(self, min_version: int, timeout: float = 300.0):
-    try:
-      chunks = self.stub.GetWeights(pb.WeightsRequest(min_version=min_version,
-                                                      worker_id=self.worker_id),
-                                    metadata=self._md, timeout=timeout)
-      chunks = list(chunks)
-    except grpc.RpcError as e:
-      log.warning("weights fetch from %s failed: %s", self.address, e.code())
-      return None
-    if not chunks:
-      return None
-    v, flat, hf_dir = codec.assemble_weights(chunks)
-    return v, codec.unflatten({k: jnp.asarray(a) for k, a in flat.items()}), hf_dir
-
-  def heartbeat(self, stats: dict, timeout: float = 5.0) -> Optional[dict]:
-    try:
-      r = self.stub.Heartbeat(pb.WorkerStats(worker_id=self.worker_id, **stats),
-                              metadata=self._md, timeout=timeout)
-    except grpc.RpcError:
-      return None
-    return dict(version=r.version, queue_depth=r.queue_depth, queue_capacity=r.queue_capacity,
-                inflight_target=r.inflight_target, shutdown=r.shutdown, hf_dir=r.hf_dir,
-                stats_json=r.stats_json)
 
   def close(self):
     self._closed.set()

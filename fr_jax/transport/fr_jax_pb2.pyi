@@ -69,7 +69,7 @@ class WeightsRequest(_message.Message):
     def __init__(self, min_version: _Optional[int] = ..., worker_id: _Optional[str] = ...) -> None: ...
 
 class WeightsChunk(_message.Message):
-    __slots__ = ("version", "num_tensors", "name", "dtype", "shape", "offset", "total_bytes", "data", "hf_dir")
+    __slots__ = ("version", "num_tensors", "name", "dtype", "shape", "offset", "total_bytes", "data", "hf_dir", "crc32")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,7 @@ class WeightsChunk(_message.Message):
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     HF_DIR_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
     version: int
     num_tensors: int
     name: str
@@ -88,7 +89,8 @@ class WeightsChunk(_message.Message):
     total_bytes: int
     data: bytes
     hf_dir: str
-    def __init__(self, version: _Optional[int] = ..., num_tensors: _Optional[int] = ..., name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., hf_dir: _Optional[str] = ...) -> None: ...
+    crc32: int
+    def __init__(self, version: _Optional[int] = ..., num_tensors: _Optional[int] = ..., name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., hf_dir: _Optional[str] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
     __slots__ = ("worker_id", "engine_version", "trajectories", "tokens", "uptime_s", "inflight")

@@ -10,6 +10,9 @@ Capacity: a trajectory stream holds one server thread for its lifetime. The pool
 heartbeats and weight fetches answer however many workers stream; a stream beyond
 `max_streams` is refused (RESOURCE_EXHAUSTED) and its client retries with backoff.
 Message sizes are capped at `codec.MAX_MESSAGE_BYTES`.
+
+Weights: `GetWeights` streams the published version in chunks, each tensor's last chunk with
+the CRC-32 of the whole tensor; the host copy and the checksums are made once per version.
 """
 
 from __future__ import annotations
@@ -91,8 +94,9 @@ class _Servicer:
     self.service = service
     self.max_streams = max_streams
     self.streams = 0
-    self._lock = threading.Lock()
-    self._weights_cache: tuple[int, dict] = (-1, {})
+    self._lock = threading.Lock()  # the stream count
+    self._weights_lock = threading.Lock()
+    self._weights_cache: tuple[int, dict, dict] = (-1, {}, {})  # version, arrays, CRC-32s
 
   def PushTrajectories(self, request_iterator, context):
     with self._lock:
@@ -132,12 +136,12 @@ class _Servicer:
     if got is None:
       return
     v, params = got
-    with self._lock:  # one host copy per version, shared by every worker
+    with self._weights_lock:  # one host copy and one checksum pass per version, for all
       if self._weights_cache[0] != v:
         flat = {k: np.asarray(a) for k, a in codec.flatten(params).items()}
-        self._weights_cache = (v, flat)
-      v, flat = self._weights_cache
-    yield from codec.weight_chunks(v, flat, hf_dir=self.service.hf_dir)
+        self._weights_cache = (v, flat, codec.tensor_crcs(flat))
+      v, flat, crcs = self._weights_cache
+    yield from codec.weight_chunks(v, flat, hf_dir=self.service.hf_dir, crcs=crcs)
 
   def Heartbeat(self, request, context):
     r = self.service.heartbeat(request.worker_id, dict(

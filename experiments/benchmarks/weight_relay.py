@@ -1,0 +1,266 @@
+r"""Weights from the learner to two SGLang servers through weight relays: the transfer speed
+over loopback and the seconds from publish to both servers serving the new version.
+
+  python -m experiments.benchmarks.weight_relay     # SmolLM2-135M f32, then 1.5B bf16
+  python -m experiments.benchmarks.weight_relay --cases=random:smollm2-135m:float32 \
+      --versions=3
+
+Per case: random weights in a real model's shapes (`random:NAME`), a learner-side weight
+service (`fr_jax.transport.server.serve` over parameters published by hand), two STAND-IN
+SGLang servers (tests/sglang_standin.py: the embedded JAX engine behind SGLang's HTTP API,
+which SGLang itself would need CUDA for; their reload from disk is part of "serving") and one
+relay process (`launch.weight_relay`) beside each. Version 1 is delivered cold (relays
+starting); each of --versions further versions is published and timed: publish -> each
+server's load done -> its first answer at that version (a one-token /generate). The relays
+report fetch (gRPC and the CRC checks), write (safetensors, fsync, rename) and load (the
+server's /update_weights_from_disk) for each version. Everything shares this machine's
+cores, so the two relays fetch and write at the same time on the same CPUs.
+
+The 1.5B case runs in bfloat16: in float32 two servers and two relays' buffers at once (4 x
+7.1 GB) do not fit in 24 GB. The learner's copy is memory-mapped from files (page cache), and
+the servers load tensor by tensor into their freed weights: at the 1.5B shapes in bfloat16
+MemAvailable fell by 12.1 GB at most (17.7 to 5.6 GB) in the kept run. A case is skipped (a `skipped` line) when less memory is
+available than it needs; the benchmark's processes volunteer to the OOM killer first
+(oom_score_adj 1000), as the machine is shared, and run with MALLOC_ARENA_MAX=2 (set by
+re-executing itself). Prints JSON lines: the machine, the settings, one row per (version,
+server), a summary per case with memory peaks.
+
+Time: about 2 minutes for SmolLM2-135M and 7 for the 1.5B shapes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+from absl import app, flags
+
+from experiments.benchmarks.common import emitter, machine
+
+flags.DEFINE_list("cases", ["random:smollm2-135m:float32",
+                            "random:r1-distill-qwen-1.5b:bfloat16"],
+                  "model:dtype pairs (random:NAME shapes from fr_jax.models.registry.SHAPES)")
+flags.DEFINE_integer("versions", 3, "timed versions per case after the cold first one")
+flags.DEFINE_float("poll_s", 0.2, "the relays' --poll_s")
+flags.DEFINE_string("dir", "", "where the relays write (default: a temporary directory)")
+FLAGS = flags.FLAGS
+
+ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+emit = emitter("weight_relay")
+
+
+def mem_available_gb() -> float:
+  with open("/proc/meminfo") as f:
+    for line in f:
+      if line.startswith("MemAvailable:"):
+        return int(line.split()[1]) / 2**20
+  return float("nan")
+
+
+class MemWatch:
+  """The lowest MemAvailable seen and the relays' largest RSS, sampled every 0.1 s."""
+
+  def __init__(self):
+    self.low = mem_available_gb()
+    self.pids: list[int] = []
+    self.rss_mb: dict[int, float] = {}
+    self.trace: list = []
+    self._stop = threading.Event()
+    self._t = threading.Thread(target=self._run, daemon=True)
+    self._t.start()
+
+  def _run(self):
+    t0 = time.monotonic()
+    while not self._stop.wait(0.1):
+      self.low = min(self.low, mem_available_gb())
+      for pid in self.pids:
+        try:
+          with open(f"/proc/{pid}/statm") as f:
+            mb = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+        except OSError:
+          continue
+        if mb > self.rss_mb.get(pid, 0) + 50:
+          self.trace.append((round(time.monotonic() - t0, 1), pid, round(mb)))
+        self.rss_mb[pid] = max(self.rss_mb.get(pid, 0), mb)
+
+  def close(self) -> float:
+    self._stop.set()
+    self._t.join()
+    return self.low
+
+
+def random_params(cfg, seed: int, where: Path) -> dict:
+  """Random parameters in `cfg`'s shapes and dtype (norms 1), made one tensor at a time into
+  writable memory-mapped files under `where`: the learner's copy is page cache the kernel can
+  write back, not memory the servers and relays being measured must share."""
+  import ml_dtypes
+
+  from fr_jax.models import decoder
+  from fr_jax.transport import codec
+  where.mkdir(parents=True, exist_ok=True)
+  rng = np.random.default_rng(seed)
+  dt = np.dtype(ml_dtypes.bfloat16) if cfg.param_dtype == "bfloat16" else np.dtype(
+      cfg.param_dtype)
+  flat = {}
+  for i, (name, shape) in enumerate(codec.flatten(decoder.param_shapes(cfg)).items()):
+    a = np.lib.format.open_memmap(where / f"{i}.npy", mode="w+", dtype=dt, shape=shape)
+    if name.endswith("norm"):
+      a[...] = 1
+    else:
+      for row in range(0, shape[0], 4096):  # a bounded float32 temporary
+        a[row:row + 4096] = 0.02 * rng.standard_normal((min(4096, shape[0] - row),
+                                                        *shape[1:]), np.float32)
+    flat[name] = a
+  return codec.unflatten(flat)
+
+
+def run_case(model: str, dtype: str, out_root: Path) -> None:
+  import jax
+
+  from fr_jax.models import registry
+  from fr_jax.rollout.engine import Request
+  from fr_jax.rollout.sglang import SGLangEngine
+  from fr_jax.transport import relay
+  from fr_jax.transport import server as srv
+  from tests.sglang_standin import PublishedWeights, StandInSGLang
+
+  cfg = registry.shape_config(model.removeprefix("random:"), param_dtype=dtype)
+  gb = cfg.num_params * np.dtype(jax.numpy.dtype(dtype)).itemsize / 2**30
+  need = 4.3 * gb + 2.0  # 2 servers and 2 relays' buffers, at once, + code
+  avail = mem_available_gb()
+  if avail < need:
+    emit("skipped", model=model, dtype=dtype, model_gb=round(gb, 2),
+         reason=f"{avail:.1f} GB available, about {need:.1f} GB needed")
+    return
+  watch = MemWatch()
+  t0 = time.perf_counter()
+  # what the servers start with; computing in the storage dtype keeps XLA from holding f32
+  # copies of bf16 weights (+5.5 GB at the 1.5B shapes)
+  m0 = registry.load(model, param_dtype=dtype, compute_dtype=dtype, seed=0)
+  standins = [StandInSGLang(m0, num_slots=1, max_len=64, drop_before_load=True)
+              for _ in range(2)]
+  del m0
+  clients = [SGLangEngine(s.url, timeout=600) for s in standins]
+  probe = Request("warm", [1, 2, 3], max_new_tokens=1, temperature=1.0, seed=0)
+  for c in clients:  # compiles the (shared) engine functions
+    c.generate([probe])
+  setup_s = time.perf_counter() - t0
+
+  service = PublishedWeights()
+  published = random_params(cfg, 1, out_root / f"{model.replace(':', '_')}-{dtype}-published")
+  service.publish(1, published)
+  server, port = srv.serve(service)
+  rdirs = [out_root / f"{model.replace(':', '_')}-{dtype}-relay{k}" for k in range(2)]
+  t_pub = {1: time.time()}
+  relays = [subprocess.Popen(
+      [sys.executable, "-m", "launch.weight_relay", "--config=experiments/configs/cpu_default.py",
+       f"--config.model.name={model}", f"--config.model.param_dtype={dtype}",
+       f"--learner=127.0.0.1:{port}", f"--sglang={s.url}", f"--dir={d}",
+       f"--poll_s={FLAGS.poll_s}"],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+      for s, d in zip(standins, rdirs)]
+  watch.pids = [p.pid for p in relays]
+  emit("settings", model=model, dtype=dtype, params=cfg.num_params,
+       bytes=int(cfg.num_params * np.dtype(jax.numpy.dtype(dtype)).itemsize),
+       versions=FLAGS.versions, poll_s=FLAGS.poll_s, servers=2, setup_s=round(setup_s, 1),
+       mem_available_gb=round(avail, 1))
+  rows = []
+  try:
+    for v in range(1, FLAGS.versions + 2):
+      if v > 1:  # different weights, same shapes, made in place: no second copy
+        for a in jax.tree.leaves(published):  # (both servers hold v - 1: nobody fetches)
+          np.negative(a, out=a)
+        t_pub[v] = time.time()
+        service.publish(v, published)
+      for k, (s, c) in enumerate(zip(standins, clients)):
+        t_end = time.monotonic() + 900
+        while not (s.loads and s.loads[-1][0] == v):
+          if time.monotonic() > t_end or any(p.poll() is not None for p in relays):
+            raise RuntimeError(f"version {v} never reached server {k}: "
+                               + " | ".join(p.stderr.read()[-2000:] for p in relays
+                                            if p.poll() is not None))
+          time.sleep(0.02)
+        (got,) = c.generate([Request(f"v{v}", [1, 2, 3], max_new_tokens=1, temperature=1.0,
+                                     seed=v)])
+        assert got.versions == [v], got.versions
+        rows.append(dict(version=v, server=k, loaded_s=s.loads[-1][2] - t_pub[v],
+                         serving_s=time.time() - t_pub[v]))
+    service.shutdown.set()
+    summaries = []
+    for p in relays:
+      out, err = p.communicate(timeout=120)
+      if p.returncode != 0:
+        raise RuntimeError(f"relay exited {p.returncode}: {err[-2000:]}")
+      summaries.append(json.loads(out.strip().splitlines()[-1]))
+  finally:
+    for p in relays:
+      if p.poll() is None:
+        p.kill()
+    for c in clients:
+      c.close()
+    for s in standins:
+      s.close()
+    srv.stop(server)
+  low = watch.close()
+
+  for r in rows:
+    d = summaries[r["server"]]["versions"][r["version"] - 1]
+    assert d["version"] == r["version"]
+    emit("version", model=model, dtype=dtype, cold=r["version"] == 1, version=r["version"],
+         server=r["server"], mb=round(d["bytes"] / 1e6, 1), fetch_s=round(d["fetch_s"], 3),
+         fetch_mb_s=round(d["bytes"] / 1e6 / d["fetch_s"], 1), write_s=round(d["write_s"], 3),
+         load_s=round(d["load_s"], 3), attempts=d["attempts"],
+         publish_to_loaded_s=round(r["loaded_s"], 3),
+         publish_to_serving_s=round(r["serving_s"], 3))
+  warm = [r for r in rows if r["version"] > 1]
+  both = [max(r["serving_s"] for r in warm if r["version"] == v)
+          for v in range(2, FLAGS.versions + 2)]
+  ds = [summaries[r["server"]]["versions"][r["version"] - 1] for r in warm]
+  med = lambda xs: round(statistics.median(xs), 3)  # noqa: E731
+  emit("summary", model=model, dtype=dtype, mb=round(ds[0]["bytes"] / 1e6, 1),
+       timed_versions=FLAGS.versions,
+       fetch_mb_s_per_relay_median=med([d["bytes"] / 1e6 / d["fetch_s"] for d in ds]),
+       fetch_s_median=med([d["fetch_s"] for d in ds]),
+       write_s_median=med([d["write_s"] for d in ds]),
+       load_s_median=med([d["load_s"] for d in ds]),
+       publish_to_both_serving_s_median=med(both), publish_to_both_serving_s_max=round(
+           max(both), 3),
+       failures=[s["failures"] for s in summaries],
+       relay_peak_rss_mb=[round(s["peak_rss_mb"]) for s in summaries],
+       bench_peak_rss_mb=round(relay.peak_rss_mb()),
+       mem_available_low_gb=round(low, 1))
+
+
+def main(argv):
+  if "MALLOC_ARENA_MAX" not in os.environ:  # again, with glibc's per-thread arenas bounded:
+    # XLA's threads otherwise keep freed temporaries, about 1 GB per 1.5B-shaped server
+    os.execve(sys.executable, [sys.executable, "-m", "experiments.benchmarks.weight_relay",
+                               *sys.argv[1:]], dict(os.environ, MALLOC_ARENA_MAX="2"))
+  del argv
+  try:  # this machine is shared: if memory runs out, these processes (children too) go first
+    with open("/proc/self/oom_score_adj", "w") as f:
+      f.write("1000")
+  except OSError:
+    pass
+  emit("machine", **machine(), malloc_arena_max=os.environ.get("MALLOC_ARENA_MAX"),
+       mem_total_gb=round(os.sysconf("SC_PAGE_SIZE")
+                                                  * os.sysconf("SC_PHYS_PAGES") / 2**30, 1))
+  root = Path(FLAGS.dir or tempfile.mkdtemp(prefix="weight_relay_bench_"))
+  for case in FLAGS.cases:
+    model, _, dtype = case.rpartition(":")
+    run_case(model, dtype, root)
+  if not FLAGS.dir:
+    import shutil
+    shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+  app.run(main)

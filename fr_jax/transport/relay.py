@@ -1,0 +1,366 @@
+"""The weight relay: brings each new weights version from the learner to one SGLang server,
+without a shared filesystem (`launch/weight_relay.py` runs it beside each server).
+
+One loop, one version at a time:
+
+1. **Poll.** A heartbeat every `poll_s` (as worker `relay@<server>`, reporting the version its
+   server holds): the learner's published version, and its shutdown flag, which ends the relay.
+2. **Fetch.** `GetWeights(min_version=delivered+1)` over the learner's gRPC service, each
+   tensor checked against the CRC-32 its last chunk carries (`codec.assemble_weights`). A
+   damaged or cut stream (`checksum_mismatch`, `incomplete`, `stream_cut`, ...) is counted by
+   its reason and fetched again after a backoff (0.2 s doubling to 5 s), up to
+   `max_fetch_attempts` times before the poll loop (and its shutdown check) has its turn.
+3. **Write.** HF safetensors (`hf_io.save_hf`) into a hidden temporary directory in `out_dir`,
+   every file and the directory fsynced, then renamed to `vNNNNNNNN` and the parent fsynced.
+   A version is visible only whole: a crash or kill mid-write leaves a hidden `.vNNNNNNNN.*`
+   directory, which the next start removes; a write that fails (a full disk) leaves nothing
+   and is tried again after the next poll. The last `keep` versions stay on disk.
+4. **Load.** `load(path, version)` (the launcher passes `SGLangEngine.update_weights`: pause,
+   `/update_weights_from_disk` with `weight_version`, continue); retried after a backoff
+   while it raises one of `load_errors`. Only then is the version delivered.
+
+The HF config comes from the run config's model (`model_spec`: its shapes, GGUF metadata or
+config.json, never its weights) and is checked against every tensor received; a mismatch
+(`--config` names another model than the learner trains) stops the relay with RelayError.
+The relay imports the model layer (for the HF export) but not rollout: the server is reached
+through the `load` callable.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import re
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+
+from fr_jax.models import decoder
+from fr_jax.models.config import ModelConfig
+from fr_jax.models.hf_io import save_hf
+from fr_jax.transport import codec
+
+log = logging.getLogger("fr_jax.relay")
+VERSION_DIR = re.compile(r"^v(\d{8,})$")
+
+
+class RelayError(RuntimeError):
+  """Something a retry cannot fix: the weights do not fit the configured model."""
+
+
+# --- the model's HF config and tokenizer, without its weights ---
+def model_spec(name: str, *, param_dtype: str = "float32",
+               compute_dtype: str = "float32") -> tuple[ModelConfig, Optional[dict]]:
+  """(ModelConfig, tokenizer files or None) of a registry model name, read from its shapes,
+  GGUF metadata or config.json; no weights are loaded."""
+  from fr_jax.models import registry
+  from fr_jax.models.tokenizer import Tokenizer
+  dt = dict(param_dtype=param_dtype, compute_dtype=compute_dtype)
+  if name in registry.TINY_CONFIGS:
+    tok = Tokenizer.byte_level() if name in registry.TINY_TOKENIZED else None
+    return registry.TINY_CONFIGS[name].replace(**dt), tok.files() if tok else None
+  if name.startswith("random:"):
+    return registry.shape_config(name.removeprefix("random:"), **dt), None
+  if name == registry.DEFAULT_MODEL or name.startswith("gguf:") or name.endswith(".gguf"):
+    import gguf
+    from fr_jax.models.gguf_io import config_from_gguf
+    path = (registry.smollm2_gguf_path() if name == registry.DEFAULT_MODEL
+            else Path(name.removeprefix("gguf:")))
+    if not path.is_file():
+      raise registry.ModelNotFound(f"GGUF file {path} not found")
+    reader = gguf.GGUFReader(str(path))  # memory-mapped: only the metadata is read
+    return config_from_gguf(reader, **dt), Tokenizer.from_gguf(reader).files()
+  import json
+  from fr_jax.models.config import from_hf_config
+  path = Path(name.removeprefix("hf:"))
+  if not (path / "config.json").is_file():
+    raise registry.ModelNotFound(f"unknown model {name!r}: not one of {registry.names()}, "
+                                 "not a directory with config.json and not a .gguf file")
+  cfg = from_hf_config(json.loads((path / "config.json").read_text()), **dt)
+  tok = Tokenizer.from_file(path).files() if (path / "tokenizer.json").is_file() else None
+  return cfg, tok
+
+
+def config_for(cfg: ModelConfig, flat: dict) -> ModelConfig:
+  """`cfg` with the received weights' dtype (and tied embeddings when no lm_head came, as
+  `load_hf` does); RelayError naming the first tensor whose shape disagrees."""
+  if "lm_head" not in flat and not cfg.tie_embeddings:
+    cfg = cfg.replace(tie_embeddings=True)
+  embed = flat.get("embed")
+  if embed is not None:
+    cfg = cfg.replace(param_dtype=codec._dtype_name(embed))
+  want = codec.flatten(decoder.param_shapes(cfg))
+  for name in sorted(set(want) | set(flat)):
+    got = tuple(flat[name].shape) if name in flat else None
+    if got != (tuple(want[name]) if name in want else None):
+      raise RelayError(
+          f"the learner's tensor {name!r} has shape {got}, the configured model "
+          f"({cfg.family}, {cfg.num_layers} layers, hidden {cfg.hidden_size}) expects "
+          f"{want.get(name)}: give --config the learner's run config")
+  return cfg
+
+
+def hf_major(params: dict) -> dict:
+  """The same values, each stacked layer matrix [L, in, out] re-laid in place as a transposed
+  view of [L, out, in] memory, one layer at a time (a temporary of one layer's matrix). HF
+  stores these matrices [out, in], so `save_hf`'s per-layer transposes become contiguous
+  views instead of a second copy of the model: the relay peaks at one model, not two."""
+  layers = params["layers"]
+  for k, a in layers.items():
+    if a.ndim != 3:
+      continue
+    if not (a.flags.writeable and a.flags.c_contiguous):
+      a = np.array(a)
+    n, d_in, d_out = a.shape
+    t = a.reshape(n, d_out, d_in)  # the same memory; layer i keeps its own bytes
+    for i in range(n):
+      t[i] = a[i].T.copy()
+    layers[k] = t.transpose(0, 2, 1)
+  return params
+
+
+# --- versions on local disk ---
+def version_dir(root, version: int) -> Path:
+  return Path(root) / f"v{version:08d}"
+
+
+def versions_on_disk(root) -> list[int]:
+  """Whole versions under `root`, oldest first (hidden partial directories are not)."""
+  root = Path(root)
+  if not root.is_dir():
+    return []
+  return sorted(int(m.group(1)) for p in root.iterdir()
+                if p.is_dir() and (m := VERSION_DIR.match(p.name)))
+
+
+def _fsync(path: Path) -> None:
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def write_version(root, version: int, params, cfg: ModelConfig,
+                  tokenizer_files: Optional[dict] = None, *, save=save_hf) -> Path:
+  """Writes `params` as HF safetensors to `root/vNNNNNNNN`, atomically: into a hidden
+  temporary directory, every file and the directory fsynced, renamed, the parent fsynced.
+  On any exception (or a kill) no `vNNNNNNNN` is left half-written. A version already there
+  (a learner that restarted from an older checkpoint publishes its numbers again) is
+  replaced whole."""
+  root = Path(root)
+  root.mkdir(parents=True, exist_ok=True)
+  final = version_dir(root, version)
+  tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=root))
+  old = None
+  try:
+    save(tmp, params, cfg, tokenizer_files=tokenizer_files)
+    for f in tmp.iterdir():
+      _fsync(f)
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the server may run as another user
+    _fsync(tmp)
+    if final.exists():
+      old = root / f".{final.name}.replaced-{os.getpid()}"
+      os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync(root)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  if old is not None:
+    shutil.rmtree(old, ignore_errors=True)
+  return final
+
+
+def clean_partial(root) -> list[str]:
+  """Removes what an interrupted write left (hidden `.vNNNNNNNN.*` directories); returns
+  their names. Call at start, before anything writes to `root`."""
+  root = Path(root)
+  gone = []
+  if root.is_dir():
+    for p in root.iterdir():
+      if p.is_dir() and p.name.startswith(".v"):
+        shutil.rmtree(p, ignore_errors=True)
+        gone.append(p.name)
+  return gone
+
+
+def prune(root, keep: int, current: int) -> list[int]:
+  """Keeps `current` and the newest `keep - 1` other versions; returns those removed."""
+  others = [v for v in versions_on_disk(root) if v != current]
+  drop = others[:max(len(others) - (keep - 1), 0)]
+  for v in drop:
+    shutil.rmtree(version_dir(root, v), ignore_errors=True)
+  return drop
+
+
+# --- the loop ---
+@dataclasses.dataclass
+class Delivery:
+  version: int
+  bytes: int
+  fetch_s: float  # the successful fetch, checksums included
+  write_s: float
+  load_s: float
+  attempts: int  # fetches it took
+  path: str
+
+  def line(self, server: str) -> str:
+    mb = self.bytes / 1e6
+    return (f"relay: v{self.version} fetched {mb:.0f} MB in {self.fetch_s:.1f} s "
+            f"({mb / max(self.fetch_s, 1e-9):.0f} MB/s"
+            f"{f', {self.attempts} attempts' if self.attempts > 1 else ''}), written in "
+            f"{self.write_s:.1f} s, loaded by {server} in {self.load_s:.1f} s")
+
+
+class Relay:
+  """Follows the learner (a `client.WeightsClient`) for one server (`load`)."""
+
+  def __init__(self, client, load: Callable[[str, int], None], out_dir, cfg: ModelConfig,
+               tokenizer_files: Optional[dict] = None, *, server: str = "the server",
+               keep: int = 2, poll_s: float = 1.0, load_errors: tuple = (OSError,),
+               backoff_min: float = 0.2, backoff_max: float = 5.0,
+               fetch_timeout_s: float = 3600.0, max_fetch_attempts: int = 8,
+               say: Callable[[str], None] = print):
+    if keep < 1:
+      raise ValueError(f"keep={keep}: keep at least the version the server loaded")
+    self.client, self.load, self.out_dir = client, load, Path(out_dir)
+    self.cfg, self.tokenizer_files, self.server = cfg, tokenizer_files, server
+    self.keep, self.poll_s, self.load_errors = keep, poll_s, load_errors
+    self.backoff_min, self.backoff_max = backoff_min, backoff_max
+    self.fetch_timeout_s, self.say = fetch_timeout_s, say
+    self.max_fetch_attempts = max_fetch_attempts
+    self.delivered = -1  # the version the server holds (-1: none delivered yet)
+    self.history: list[Delivery] = []
+    self.failures: collections.Counter = collections.Counter()  # by reason
+    self.t_start = time.monotonic()
+    for name in clean_partial(self.out_dir):
+      log.warning("removed %s/%s, left by an interrupted write", self.out_dir, name)
+
+  def _wait(self, backoff: float, stop: threading.Event) -> float:
+    stop.wait(backoff)
+    return min(backoff * 2, self.backoff_max)
+
+  def fetch(self, min_version: int, stop: threading.Event):
+    """(version, flat arrays, attempts, seconds of the good fetch), retried after a damaged
+    or cut stream up to `max_fetch_attempts` times; None if the learner has nothing that new,
+    is unreachable, or on stop (the poll loop then tries again)."""
+    backoff, attempts = self.backoff_min, 0
+    while not stop.is_set() and attempts < self.max_fetch_attempts:
+      attempts += 1
+      t0 = time.perf_counter()
+      try:
+        got = self.client.fetch_weights(min_version, timeout=self.fetch_timeout_s)
+      except codec.WeightsError as e:
+        self.failures[e.reason] += 1
+        if stop.is_set() or e.reason == "unreachable":
+          log.warning("relay: %s", e)
+          return None
+        log.warning("relay: fetch of version >= %d failed (%s); attempt %d in %.1f s",
+                    min_version, e, attempts + 1, backoff)
+        backoff = self._wait(backoff, stop)
+        continue
+      if got is None:
+        return None
+      v, flat, _ = got
+      return v, flat, attempts, time.perf_counter() - t0
+    return None
+
+  def deliver(self, min_version: int, stop: threading.Event) -> Optional[Delivery]:
+    """Fetches, writes and loads the learner's weights if their version >= min_version."""
+    got = self.fetch(min_version, stop)
+    if got is None:
+      return None
+    v, flat, attempts, fetch_s = got
+    del got
+    nbytes = sum(a.nbytes for a in flat.values())
+    cfg = config_for(self.cfg, flat)
+    t0 = time.perf_counter()
+    params = codec.unflatten(flat)
+    del flat
+    try:
+      path = write_version(self.out_dir, v, hf_major(params), cfg, self.tokenizer_files)
+    except OSError as e:  # a full disk, say: nothing visible was left; the next poll retries
+      self.failures["write_failed"] += 1
+      log.warning("relay: cannot write v%d under %s (%s); trying again after the next poll",
+                  v, self.out_dir, e)
+      return None
+    write_s = time.perf_counter() - t0
+    del params  # the server may need the memory to load
+    backoff = self.backoff_min
+    while True:  # a load once begun is not abandoned: the server must not stay paused
+      if stop.is_set():
+        return None
+      t0 = time.perf_counter()
+      try:
+        self.load(str(path), v)
+        break
+      except self.load_errors as e:
+        self.failures["load_failed"] += 1
+        log.warning("relay: %s did not load v%d (%s); again in %.1f s", self.server, v, e,
+                    backoff)
+        backoff = self._wait(backoff, stop)
+    d = Delivery(v, nbytes, fetch_s, write_s, time.perf_counter() - t0, attempts, str(path))
+    self.delivered = v
+    self.history.append(d)
+    prune(self.out_dir, self.keep, v)
+    self.say(d.line(self.server))
+    return d
+
+  def stats(self) -> dict:
+    return dict(engine_version=self.delivered, trajectories=0, tokens=0,
+                uptime_s=time.monotonic() - self.t_start, inflight=0)
+
+  def run(self, stop: threading.Event, max_versions: int = 0) -> str:
+    """Polls and delivers until the learner shuts down ("shutdown"), `stop` is set
+    ("stopped") or `max_versions` versions were delivered ("max_versions")."""
+    unreachable_since = None
+    while not stop.is_set():
+      hb = self.client.heartbeat(self.stats())
+      if hb is None:
+        if unreachable_since is None:
+          unreachable_since = time.monotonic()
+          log.warning("relay: learner %s unreachable; polling every %.1f s",
+                      self.client.address, self.poll_s)
+        self.failures["heartbeat_unreachable"] += 1
+      else:
+        unreachable_since = None
+        if hb["shutdown"]:
+          return "shutdown"
+        want = hb["version"]
+        if want >= 0 and want != self.delivered:
+          # newer: anything from delivered+1 on; older (the learner restarted from an older
+          # checkpoint): its current weights
+          d = self.deliver(want if want < self.delivered else self.delivered + 1, stop)
+          if d is not None:
+            if max_versions and len(self.history) >= max_versions:
+              return "max_versions"
+            continue  # poll again at once: another version may have come meanwhile
+      stop.wait(self.poll_s)
+    return "stopped"
+
+  def summary(self, stopped: str) -> dict:
+    return {"relay": self.server, "stopped": stopped, "delivered": self.delivered,
+            "versions": [dataclasses.asdict(d) for d in self.history],
+            "failures": dict(self.failures), "on_disk": versions_on_disk(self.out_dir),
+            "peak_rss_mb": peak_rss_mb()}
+
+
+def peak_rss_mb() -> float:
+  """This process's peak resident memory (VmHWM; ru_maxrss would count the parent's memory
+  at the fork that started this process)."""
+  try:
+    with open("/proc/self/status") as f:
+      for line in f:
+        if line.startswith("VmHWM:"):
+          return int(line.split()[1]) / 1024
+  except OSError:
+    pass
+  return float("nan")

@@ -1,0 +1,136 @@
+r"""A weight relay beside one SGLang server: the learner's weights to that server, without a
+shared filesystem (design: `fr_jax/transport/relay.py`, docs/rollout.md).
+
+  python -m launch.weight_relay --config=experiments/configs/qwen25_math_1p5b.py \
+      --learner=learner-host:50051 --auth_token=$TOKEN \
+      --sglang=http://127.0.0.1:30000 --dir=/local/nvme/weights
+  # workers generate through sglang-router in front of every server
+  python -m sglang_router.launch_router --worker-urls http://gpu1:30000 http://gpu2:30000 \
+      --host 127.0.0.1 --port 30000
+
+It fetches each new version over gRPC (`GetWeights`, every tensor checked against its CRC-32,
+a damaged or cut stream fetched again), writes HF safetensors under --dir atomically
+(`vNNNNNNNN`, the last --keep kept), and calls the server's `/update_weights_from_disk` with
+the path and the version; then the version counts as delivered. One line per version on
+stdout (`relay: v12 fetched 270 MB in 3.1 s (87 MB/s), written in 0.9 s, loaded by
+http://127.0.0.1:30000 in 0.4 s`). --config names the learner's run config: the relay builds
+the model's HF config and tokenizer files from it without loading weights. It stops when the
+learner says the run is over, on SIGTERM or Ctrl-C (a fetch in flight is cancelled; a write
+or a load in progress finishes, so the server is never left paused), or after
+--max_versions (--once: one), and prints one JSON line with what it delivered.
+"""
+
+import os
+import signal
+import threading
+
+from absl import flags, logging
+
+from launch import common
+
+flags.DEFINE_string("learner", "127.0.0.1:50051", "learner gRPC address host:port")
+flags.DEFINE_string("sglang", "http://127.0.0.1:30000", "this relay's SGLang server (not the "
+                    "router: each server gets its own relay)")
+flags.DEFINE_string("dir", "", "local directory for the HF safetensors versions")
+flags.DEFINE_string("auth_token", os.environ.get("FR_JAX_TOKEN", ""),
+                    "shared token (default $FR_JAX_TOKEN)")
+flags.DEFINE_string("tls_ca", "", "PEM CA certificate: connect with TLS")
+flags.DEFINE_string("tls_cert", "", "PEM client certificate (mutual TLS)")
+flags.DEFINE_string("tls_key", "", "PEM client key (mutual TLS)")
+flags.DEFINE_string("sglang_api_key", os.environ.get("SGLANG_API_KEY", ""),
+                    "the server's --api-key, if it has one (default $SGLANG_API_KEY)")
+flags.DEFINE_float("poll_s", 1.0, "seconds between polls of the learner")
+flags.DEFINE_integer("keep", 2, "versions kept on disk (at least 1: the loaded one)")
+flags.DEFINE_integer("max_versions", 0, "exit after delivering this many versions (0: run "
+                     "until the learner shuts down)")
+flags.DEFINE_bool("once", False, "deliver the learner's current version and exit "
+                  "(--max_versions=1)")
+flags.DEFINE_float("fetch_timeout_s", 3600.0, "give up one fetch after this long")
+flags.DEFINE_string("relay_id", "", "name in the learner's worker stats (default "
+                    "relay@<--sglang>)")
+FLAGS = flags.FLAGS
+
+
+def check_flags():
+  """Every flag problem as one line, before anything connects."""
+  if not FLAGS.dir:
+    common.fail("--dir is required: a local directory for the weights versions")
+  try:
+    os.makedirs(FLAGS.dir, exist_ok=True)
+  except OSError as e:
+    common.fail(f"--dir {FLAGS.dir}: cannot create it ({e.strerror or e})")
+  if not os.access(FLAGS.dir, os.W_OK | os.X_OK):
+    common.fail(f"--dir {FLAGS.dir}: not writable by this user")
+  host, _, port = FLAGS.learner.rpartition(":")
+  if not host or not port.isdigit():
+    common.fail(f"--learner={FLAGS.learner!r}: give host:port, e.g. 127.0.0.1:50051")
+  if not FLAGS.sglang.startswith(("http://", "https://")):
+    common.fail(f"--sglang={FLAGS.sglang!r}: give the server's URL, e.g. "
+                "http://127.0.0.1:30000")
+  if FLAGS.poll_s <= 0:
+    common.fail(f"--poll_s={FLAGS.poll_s:g}: must be positive")
+  if FLAGS.keep < 1:
+    common.fail(f"--keep={FLAGS.keep}: keep at least 1 version (the one the server loaded)")
+  if FLAGS.max_versions < 0:
+    common.fail(f"--max_versions={FLAGS.max_versions}: 0 (no limit) or more")
+  if FLAGS.fetch_timeout_s <= 0:
+    common.fail(f"--fetch_timeout_s={FLAGS.fetch_timeout_s:g}: must be positive")
+  if bool(FLAGS.tls_cert) != bool(FLAGS.tls_key) or (FLAGS.tls_cert and not FLAGS.tls_ca):
+    common.fail("--tls_cert and --tls_key go together, with --tls_ca")
+  for flag in ("tls_ca", "tls_cert", "tls_key"):
+    path = FLAGS[flag].value
+    if path and not os.access(path, os.R_OK):
+      common.fail(f"--{flag} {path}: not a readable file")
+
+
+def main(argv):
+  if len(argv) > 1:
+    common.fail(f"unexpected arguments {argv[1:]}")
+  check_flags()
+  c = common.load_config()
+  from fr_jax.models import registry
+  from fr_jax.rollout.sglang import SGLangEngine, SGLangError
+  from fr_jax.transport import relay
+  from fr_jax.transport.client import WeightsClient
+  try:
+    cfg, tokenizer_files = relay.model_spec(c.model.name, param_dtype=c.model.param_dtype,
+                                            compute_dtype=c.model.compute_dtype)
+  except (registry.ModelNotFound, registry.CheckpointError) as e:
+    common.fail(f"model {c.model.name!r}: {e}")
+  client = WeightsClient(FLAGS.learner, worker_id=FLAGS.relay_id or f"relay@{FLAGS.sglang}",
+                         token=FLAGS.auth_token, tls_ca=FLAGS.tls_ca, tls_cert=FLAGS.tls_cert,
+                         tls_key=FLAGS.tls_key)
+  server = SGLangEngine(FLAGS.sglang, api_key=FLAGS.sglang_api_key or None, max_concurrency=1)
+  r = relay.Relay(client, server.update_weights, FLAGS.dir, cfg, tokenizer_files,
+                  server=FLAGS.sglang, keep=FLAGS.keep, poll_s=FLAGS.poll_s,
+                  load_errors=(SGLangError,), fetch_timeout_s=FLAGS.fetch_timeout_s,
+                  say=lambda line: print(line, flush=True))
+  stop = threading.Event()
+  for sig in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(sig, lambda *_: stop.set())
+  out = {}
+
+  def loop():
+    try:
+      out["stopped"] = r.run(stop, max_versions=1 if FLAGS.once else FLAGS.max_versions)
+    except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
+      out["error"] = e
+    finally:
+      stop.set()
+
+  t = threading.Thread(target=loop, name="relay")
+  t.start()
+  stop.wait()
+  client.close()  # cancels a fetch in flight; a write or load in progress finishes
+  t.join()
+  server.close()
+  if isinstance(out.get("error"), relay.RelayError):
+    common.fail(str(out["error"]))
+  if "error" in out:
+    raise out["error"]
+  logging.info("relay stopped: %s", out["stopped"])
+  common.print_json(r.summary(out["stopped"]))
+
+
+if __name__ == "__main__":
+  common.run(main)

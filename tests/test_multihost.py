@@ -62,3 +62,41 @@ def test_two_processes_equal_one_and_their_checkpoint_restores_in_one(tmp_path):
   (steps, a), (steps_ref, b) = zip(*_losses(mp)), zip(*_losses(tmp_path / "one_process"))
   assert list(steps) == list(steps_ref) == [1, 2, 3, 4, 5]
   np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+
+
+_IDLE = """
+import json, threading, time
+import jax
+from fr_jax.learner import multihost, synthetic
+jax.distributed.initialize("127.0.0.1:{port}", 1, 0)
+multihost.POLL_MS = 200  # the follower's waits time out several times before the call comes
+leader, follower = multihost.Group(0, 2), multihost.Group(1, 2)
+trajs = [synthetic.synthetic_trajectory(i) for i in range(3)]
+for t, i in zip(trajs, range(3)):
+  t.traj_id = f"w/{{i}}"
+def later():
+  time.sleep(1.0)
+  leader.announce("update", trajs, {{"validated": True}})
+  leader.announce("close", None, {{}})
+threading.Thread(target=later).start()
+t0 = time.monotonic()
+method, got, kwargs = follower.receive()
+print(json.dumps([method, kwargs, time.monotonic() - t0]))
+for a, b in zip(got, trajs):
+  assert a.traj_id == b.traj_id and a.reward == b.reward
+  assert (a.completion_tokens == b.completion_tokens).all()
+  assert (a.behavior_logp == b.behavior_logp).all() and (a.action_mask == b.action_mask).all()
+print(json.dumps(follower.receive()))
+"""
+
+
+def test_a_follower_waits_through_idle_time_and_gets_the_records_whole():
+  """An announcement that comes after several of the follower's waits have timed out still
+  arrives, in order, with its trajectories bit for bit."""
+  r = subprocess.run([sys.executable, "-c", _IDLE.format(port=_free_port())], cwd=REPO,
+                     env=dict(os.environ, XLA_FLAGS=""), capture_output=True, text=True,
+                     timeout=120)
+  assert r.returncode == 0, r.stderr[-3000:]
+  (method, kwargs, waited), second = map(json.loads, r.stdout.strip().splitlines()[-2:])
+  assert (method, kwargs) == ("update", {"validated": True}) and waited >= 0.9
+  assert second == ["close", None, {}]

@@ -12,19 +12,9 @@ weights after each one. The other processes follow. Process 0 writes the publish
 to DIR/params.npz.
 """
 
+import argparse
 import os
 import sys
-
-from absl import app, flags
-
-flags.DEFINE_string("workdir", None, "checkpoints, metrics and the final params.npz")
-flags.DEFINE_integer("until", 5, "train until this policy version")
-flags.DEFINE_integer("local_devices", 8, "CPU devices in this process")
-flags.DEFINE_integer("num_processes", 1, "processes in the learner")
-flags.DEFINE_integer("process_id", 0, "this process")
-flags.DEFINE_string("coordinator", "", "jax.distributed coordinator host:port")
-flags.DEFINE_integer("fsdp", 4, "mesh fsdp axis (data = 8 / fsdp)")
-F = flags.FLAGS
 
 B = 8
 
@@ -94,18 +84,25 @@ def run(workdir: str, until: int, fsdp: int = 4) -> dict:
   return out
 
 
-def main(argv):
-  del argv
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--workdir", required=True, help="checkpoints, metrics, params.npz")
+  p.add_argument("--until", type=int, default=5, help="train until this policy version")
+  p.add_argument("--local_devices", type=int, default=8, help="CPU devices in this process")
+  p.add_argument("--num_processes", type=int, default=1, help="processes in the learner")
+  p.add_argument("--process_id", type=int, default=0, help="this process")
+  p.add_argument("--coordinator", default="", help="jax.distributed coordinator host:port")
+  p.add_argument("--fsdp", type=int, default=4, help="mesh fsdp axis (data = 8 / fsdp)")
+  a = p.parse_args()
   import jax
-  jax.config.update("jax_num_cpu_devices", F.local_devices)
+  jax.config.update("jax_num_cpu_devices", a.local_devices)
   from fr_jax.learner import multihost
-  if F.num_processes > 1:
-    multihost.initialize(F.coordinator, F.num_processes, F.process_id)
-  out = run(F.workdir, F.until, F.fsdp)
+  if a.num_processes > 1:
+    multihost.initialize(a.coordinator, a.num_processes, a.process_id)
+  out = run(a.workdir, a.until, a.fsdp)
   if out:
     print(f"version {int(out['version'])}", file=sys.stderr)
 
 
 if __name__ == "__main__":
-  flags.mark_flag_as_required("workdir")
-  app.run(main)
+  main()

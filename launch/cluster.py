@@ -175,8 +175,12 @@ def _validate_tpu(t):
 
 
 def learner_overrides(k, mesh) -> dict:
-  """The --config.* fields the learner commands set; `mesh` is (data, fsdp)."""
-  return {"model.name": f"hf:{k.checkpoint}", "mesh.data": mesh[0], "mesh.fsdp": mesh[1]}
+  """The --config.* fields the learner commands set; `mesh` is (data, fsdp). Weights reach
+  the SGLang servers through the relays, so the learner exports no HF directory: a worker
+  that saw one in its heartbeat would send `/update_weights_from_disk` to the router, which
+  has no such route."""
+  return {"model.name": f"hf:{k.checkpoint}", "mesh.data": mesh[0], "mesh.fsdp": mesh[1],
+          "service.export_hf": False}
 
 
 def worker_overrides(k) -> dict:

@@ -244,6 +244,8 @@ def test_slurm_run_wires_the_hosts(rendered, slurm_calls):
   assert flag_value(a, "config.mesh.data") == str(k.learner.mesh_data)
   assert flag_value(a, "config.mesh.fsdp") == str(k.learner.mesh_fsdp)
   assert flag_value(a, "config.model.name") == f"hf:{k.checkpoint}"
+  # Weights go through the relays: no HF export, or workers would reload via the router.
+  assert flag_value(a, "config.service.export_hf") == "False"
   a = py["sglang.launch_server"]
   assert after(a, "--model-path") == [k.checkpoint] and after(a, "--port") == [str(k.sglang.port)]
   assert after(a, "--tp-size") == [str(k.sglang.tp_size)]
@@ -305,6 +307,7 @@ def test_k8s_manifests(rendered):
   assert flag_value(a, "coordinator_address") == f"{learner0}:{k.learner.coordinator_port}"
   assert flag_value(a, "num_processes") == str(k.learner.nodes)
   assert flag_value(a, "process_id") == "$(JOB_COMPLETION_INDEX)"
+  assert flag_value(a, "config.service.export_hf") == "False"
   assert flag_value(a, "address") == f"0.0.0.0:{k.learner.port}"
   assert flag_value(a, "auth_token") == f"$({k.token_env})"
   env = {e["name"]: e["valueFrom"] for e in c["env"]}
@@ -383,6 +386,7 @@ def test_tpu_vm_script(rendered, tpu_calls):
   assert flag_value(a, "auth_token") == TOKEN  # read on the host from the copied file
   assert flag_value(a, "config.mesh.data") == str(k.tpu.mesh_data)
   assert flag_value(a, "config.mesh.fsdp") == str(k.tpu.mesh_fsdp)
+  assert flag_value(a, "config.service.export_hf") == "False"
   assert f"10.1.2.3:{k.learner.port}" in stdout  # where workers and relays connect
 
 

@@ -6,6 +6,7 @@ anything raised while a run runs keeps its traceback."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from absl import flags, logging
@@ -53,6 +54,17 @@ def require_tool_isolation(c) -> str:
     except sandbox.SandboxUnavailable as e:
       fail(str(e))
   return mode
+
+
+def check_client_tls(flag_values) -> None:
+  """A client's --tls_ca/--tls_cert/--tls_key (workers, weight relays): one line and exit
+  status 2 for a half pair or an unreadable file."""
+  ca, cert, key = (flag_values[f].value for f in ("tls_ca", "tls_cert", "tls_key"))
+  if bool(cert) != bool(key) or (cert and not ca):
+    fail("--tls_cert and --tls_key go together, with --tls_ca")
+  for flag, path in (("tls_ca", ca), ("tls_cert", cert), ("tls_key", key)):
+    if path and not os.access(path, os.R_OK):
+      fail(f"--{flag} {path}: not a readable file")
 
 
 def load_model(c):

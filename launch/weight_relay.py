@@ -75,12 +75,7 @@ def check_flags():
     common.fail(f"--max_versions={FLAGS.max_versions}: 0 (no limit) or more")
   if FLAGS.fetch_timeout_s <= 0:
     common.fail(f"--fetch_timeout_s={FLAGS.fetch_timeout_s:g}: must be positive")
-  if bool(FLAGS.tls_cert) != bool(FLAGS.tls_key) or (FLAGS.tls_cert and not FLAGS.tls_ca):
-    common.fail("--tls_cert and --tls_key go together, with --tls_ca")
-  for flag in ("tls_ca", "tls_cert", "tls_key"):
-    path = FLAGS[flag].value
-    if path and not os.access(path, os.R_OK):
-      common.fail(f"--{flag} {path}: not a readable file")
+  common.check_client_tls(FLAGS)
 
 
 def main(argv):

@@ -41,12 +41,7 @@ def main(argv):
   if not 0 <= FLAGS.worker_index < FLAGS.num_workers:
     common.fail(f"--worker_index={FLAGS.worker_index} must be in [0, --num_workers="
                 f"{FLAGS.num_workers})")
-  if bool(FLAGS.tls_cert) != bool(FLAGS.tls_key) or (FLAGS.tls_cert and not FLAGS.tls_ca):
-    common.fail("--tls_cert and --tls_key go together, with --tls_ca")
-  for flag in ("tls_ca", "tls_cert", "tls_key"):
-    path = FLAGS[flag].value
-    if path and not os.access(path, os.R_OK):
-      common.fail(f"--{flag} {path}: not a readable file")
+  common.check_client_tls(FLAGS)
   c = common.load_config()
   common.require_tool_isolation(c)
   model = common.load_model(c)

@@ -8,14 +8,17 @@ STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 TEST_JOBS ?= 2   # pytest-xdist processes (test files are kept whole per process)
 
-.PHONY: demo test test-all bench smoke chaos sandbox-check replication proto venv clean-venv help \
+.PHONY: demo demo-agent test test-all bench smoke chaos sandbox-check replication proto venv clean-venv help \
         device-check device-wheels device-fixtures tpu-tools
 
 DEMO_DIR ?= runs/demo
+AGENT_DIR ?= runs/agent
 REPLICATION_DIR ?= runs/replication
 
 help:
 	@echo "make demo      install .venv if needed, train SmolLM2-135M on arithmetic (~20 min, CPU)"
+	@echo "make demo-agent  SmolLM2 learns when to call the Python tool: SFT warm start, then"
+	@echo "               FlashREINFORCE, evaluated per difficulty (~30 min, CPU)"
 	@echo "make test      install .venv if needed, run the fast test suite (not marked slow)"
 	@echo "make test-all  run every test, slow ones included"
 	@echo "make bench     run the benchmarks in experiments/benchmarks/ (JSON lines)"
@@ -43,6 +46,9 @@ $(STAMP): requirements.txt requirements-dev.txt requirements-model.txt
 
 demo: $(STAMP)
 	$(VPY) -m launch.train --config=experiments/configs/cpu_default.py --run_dir=$(DEMO_DIR)
+
+demo-agent: $(STAMP)
+	$(VPY) -m launch.train --config=experiments/configs/cpu_agent.py --run_dir=$(AGENT_DIR)
 
 test: $(STAMP)
 	$(VPY) -m pytest -q -m "not slow" -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)

@@ -20,7 +20,7 @@ def default_config() -> ml_collections.ConfigDict:
   c.run_dir = ""  # metrics.jsonl, TensorBoard, checkpoints/, exports/; empty: nothing written
   c.max_updates = 100  # total updates (a resumed run counts the restored ones)
   c.env = ml_collections.ConfigDict(dict(
-      name="arithmetic",  # arithmetic | countdown | textworld | digits
+      name="arithmetic",  # arithmetic | tool_arithmetic | countdown | textworld | digits
       kwargs=ml_collections.ConfigDict(),  # constructor settings, e.g. difficulty=2
       seed=0,  # prompt shuffling
   ))
@@ -45,7 +45,20 @@ def default_config() -> ml_collections.ConfigDict:
   ))
   c.eval = ml_collections.ConfigDict(dict(
       n=0,  # launch.train: held-out tasks evaluated (greedy) at the start and the end; 0: none
+      every=0,  # launch.train: also every this many updates (the run's curves); 0: never
       num_slots=32,
+  ))
+  # The supervised warm start (launch.sft; launch.train runs it first when steps > 0).
+  c.sft = ml_collections.ConfigDict(dict(
+      steps=0,  # optimizer steps; 0: no warm start
+      data="",  # JSONL of conversations (fr_jax.sft); empty: `examples` demonstrations of the env
+      examples=1024,  # generated demonstrations (env.demonstration) when data is empty
+      tool_fraction=0.5,  # share of generated demonstrations that call the tool
+      batch_size=16,  # conversations per step
+      lr=1e-4,
+      warmup_frac=0.1,
+      checkpoint_every=25,  # steps between checkpoints (resume)
+      seed=0,  # data order and generated demonstrations
   ))
   c.service = ml_collections.ConfigDict(dict(
       address="127.0.0.1:0",  # gRPC bind (launch.learner); non-loopback needs a token or TLS
@@ -85,6 +98,12 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if c.agent.max_total_tokens > c.packing.row_len:
     raise ConfigError(f"agent.max_total_tokens={c.agent.max_total_tokens} exceeds "
                       f"packing.row_len={c.packing.row_len}: trajectories would not fit a row")
+  if c.sft.steps < 0 or c.sft.batch_size < 1 or c.sft.lr < 0 or c.sft.checkpoint_every < 1 \
+     or not 0 <= c.sft.tool_fraction <= 1 or not 0 <= c.sft.warmup_frac < 1:
+    raise ConfigError("sft: steps >= 0, batch_size >= 1, lr >= 0, checkpoint_every >= 1, "
+                      "tool_fraction in [0, 1] and warmup_frac in [0, 1) are required")
+  if c.eval.every < 0:
+    raise ConfigError(f"eval.every={c.eval.every} must be >= 0")
   from fr_jax import envs
   try:
     envs.make(c.env.name, **c.env.kwargs.to_dict())

@@ -3,7 +3,11 @@
 `evaluate()` runs every task of the first `n` in the env's test split through the same agent
 loop training uses (chat template, tool calls, turn and token limits) on an embedded engine.
 With samples=1 decoding is greedy; with samples=k > 1 each task is sampled k times at
-`temperature` and avg@k (mean reward over samples) and pass@k are reported too.
+`temperature` and avg@k (mean accuracy over samples) and pass@k are reported too.
+
+Accuracy is the env's score of each episode; `reward` is what training sees (the score minus
+the env's tool charges, if it prices its tool). Envs whose tasks carry a `level` (difficulty)
+also get `by_level`: accuracy and tool calls per difficulty.
 """
 
 from __future__ import annotations
@@ -32,24 +36,33 @@ def evaluate(model_config, params, tokenizer, env, agent: AgentConfig, *, n: int
     engine = EmbeddedEngine(model_config, params, tokenizer=tokenizer,
                             num_slots=min(num_slots, n), max_len=cfg.max_total_tokens + 1)
   loop = AgentLoop(engine, tokenizer, env, cfg)
-  rewards = np.zeros((samples, n))
+  scores = np.zeros((samples, n))
   trajs = []
   for s in range(samples):
-    ts, _ = loop.run(tasks, [seed + s * n + i for i in range(n)])
-    rewards[s] = [t.reward for t in ts]
+    ts, eps = loop.run(tasks, [seed + s * n + i for i in range(n)])
+    scores[s] = [e.score for e in eps]
     trajs += ts
   lengths = [t.completion_tokens.shape[0] for t in trajs]
   out = dict(env=env.name, n=n, samples=samples,
              decoding="greedy" if samples == 1 else f"temperature {temperature}",
-             accuracy=float(rewards[0].mean()),
+             accuracy=float(scores[0].mean()),
+             reward=float(np.mean([t.reward for t in trajs])),
              tool_calls_per_trajectory=float(np.mean([t.num_tool_calls for t in trajs])),
              response_length=float(np.mean(lengths)),
              truncation_rate=float(np.mean([t.truncated for t in trajs])),
              turns=float(np.mean([t.num_turns for t in trajs])),
              seconds=round(time.perf_counter() - t0, 1))
   if samples > 1:
-    out[f"avg@{samples}"] = float(rewards.mean())
-    out[f"pass@{samples}"] = float((rewards.max(0) > 0).mean())
+    out[f"avg@{samples}"] = float(scores.mean())
+    out[f"pass@{samples}"] = float((scores.max(0) > 0).mean())
+  levels = sorted({t.meta["level"] for t in tasks if "level" in t.meta})
+  if levels:  # per difficulty (first sample): accuracy and tool calls
+    calls = np.array([t.num_tool_calls for t in trajs[:n]])
+    out["by_level"] = {
+        lv: dict(n=int(sel.sum()), accuracy=float(scores[0][sel].mean()),
+                 tool_calls_per_trajectory=float(calls[sel].mean()))
+        for lv in levels
+        for sel in [np.array([t.meta.get("level") == lv for t in tasks])]}
   return out
 
 

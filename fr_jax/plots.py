@@ -1,5 +1,12 @@
-"""The run plot: held-out accuracy, reward, acceptance rate, response length, truncation rate
-and tool calls over updates, from a run directory's metrics.jsonl and eval_*.json."""
+"""The run plot, from a run directory's metrics.jsonl and its held-out evaluations
+(evals.jsonl; eval_start.json / eval_end.json in runs made before it existed):
+
+* held-out accuracy and held-out tool calls per episode over updates, one curve per
+  difficulty level where the env has levels; a warm-started run's base model is the hollow
+  marker at update 0 and the curve starts at the warm-started model;
+* train reward with its moving average, trust acceptance rate, response length, and tool
+  calls and truncation rate in training.
+"""
 
 from __future__ import annotations
 
@@ -7,41 +14,94 @@ import json
 from pathlib import Path
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from fr_jax.learner.metrics import read_jsonl  # noqa: E402
 
-PANELS = (("reward_mean", "train reward"), ("acceptance_rate", "trust acceptance rate"),
-          ("response_length", "response length (tokens)"),
-          ("truncation_rate", "truncation rate"), ("tool_calls", "tool calls / trajectory"))
+
+def moving_average(x, window: int) -> np.ndarray:
+  """Trailing mean over the last `window` values (fewer at the start)."""
+  x = np.asarray(x, float)
+  c = np.cumsum(np.insert(x, 0, 0.0))
+  i = np.arange(1, len(x) + 1)
+  lo = np.maximum(i - window, 0)
+  return (c[i] - c[lo]) / (i - lo)
+
+
+def _eval_rows(run: Path, last_step: int) -> list[dict]:
+  if (run / "evals.jsonl").exists():
+    return list(read_jsonl(run / "evals.jsonl"))
+  rows = []
+  for name, stage, version in (("eval_start.json", "rl", 0), ("eval_end.json", "rl", last_step)):
+    if (run / name).exists():
+      rows.append({"stage": stage, "version": version, **json.loads((run / name).read_text())})
+  return rows
+
+
+def _series(rows, key):
+  """{level: (versions, values)} over the warm-started/start model and RL evaluations."""
+  curve = sorted((r for r in rows if r["stage"] in ("sft", "rl")), key=lambda r: r["version"])
+  levels = sorted({lv for r in curve for lv in r.get("by_level", {})}) or ["all"]
+  out = {}
+  for lv in levels:
+    pts = [(r["version"], (r["by_level"][lv] if lv != "all" else r).get(key)) for r in curve
+           if lv == "all" or lv in r.get("by_level", {})]
+    pts = [(v, y) for v, y in pts if y is not None]
+    out[lv] = ([v for v, _ in pts], [y for _, y in pts])
+  return out
+
+
+def _held_out_panel(ax, rows, key, title):
+  if not rows:
+    ax.set_title(f"{title} (not evaluated)")
+    return
+  n = rows[0].get("n")
+  base = next((r for r in rows if r["stage"] == "base"), None)
+  for i, (lv, (xs, ys)) in enumerate(_series(rows, key).items()):
+    color = f"C{i}"
+    ax.plot(xs, ys, "o-", color=color, label=lv)
+    b = None if base is None else (base["by_level"].get(lv, {}) if lv != "all"
+                                   else base).get(key)
+    if b is not None:
+      ax.plot([0], [b], "o", mfc="none", color=color, ms=9, label=f"{lv}, base model")
+  ax.set_title(f"held-out {title} (greedy, n={n})")
+  ax.legend(fontsize=8)
 
 
 def plot_run(run_dir) -> str:
   """Writes run_dir/plot.png; returns its path."""
   run = Path(run_dir)
   rows = [r for r in read_jsonl(run / "metrics.jsonl") if "loss" in r]
-  evals = []
-  for name in ("eval_start.json", "eval_end.json"):
-    if (run / name).exists():
-      e = json.loads((run / name).read_text())
-      evals.append((0 if name == "eval_start.json" else (rows[-1]["step"] if rows else 0),
-                    e["accuracy"], e.get("n")))
-  fig, axes = plt.subplots(2, 3, figsize=(13, 7))
-  ax = axes.flat[0]
-  if evals:
-    ax.plot([v for v, _, _ in evals], [a for _, a, _ in evals], "o-")
-    ax.set_title(f"held-out accuracy (greedy, n={evals[0][2]})")
-  else:
-    ax.set_title("held-out accuracy (not evaluated)")
-  for ax, (key, title) in zip(list(axes.flat)[1:], PANELS):
-    xs = [r["step"] for r in rows if key in r]
-    ax.plot(xs, [float(r[key]) for r in rows if key in r], ".-")
-    ax.set_title(title)
-  for ax in axes.flat:
-    ax.set_xlabel("update")
-    ax.grid(alpha=0.3)
+  evals = _eval_rows(run, rows[-1]["step"] if rows else 0)
+  fig, axes = plt.subplots(2, 3, figsize=(14, 7.5))
+  ax = axes.flat
+  _held_out_panel(ax[0], evals, "accuracy", "accuracy")
+  key = "tool_calls_per_trajectory"
+  _held_out_panel(ax[1], evals, key, "tool calls / episode")
+  xs = [r["step"] for r in rows]
+  reward = [float(r["reward_mean"]) for r in rows]
+  ax[2].plot(xs, reward, ".", alpha=0.4, label="batch mean")
+  if rows:
+    window = max(1, min(10, len(rows) // 4))
+    ax[2].plot(xs, moving_average(reward, window), "-", label=f"moving average ({window})")
+    ax[2].legend(fontsize=8)
+  ax[2].set_title("train reward")
+  for a, keys, title in ((ax[3], ("acceptance_rate",), "trust acceptance rate"),
+                         (ax[4], ("response_length",), "response length (tokens)"),
+                         (ax[5], ("tool_calls", "truncation_rate"),
+                          "train: tool calls / trajectory, truncation rate")):
+    for k in keys:
+      a.plot([r["step"] for r in rows if k in r], [float(r[k]) for r in rows if k in r], ".-",
+             label=k)
+    if len(keys) > 1:
+      a.legend(fontsize=8)
+    a.set_title(title)
+  for a in axes.flat:
+    a.set_xlabel("update")
+    a.grid(alpha=0.3)
   fig.tight_layout()
   out = run / "plot.png"
   fig.savefig(out, dpi=90)

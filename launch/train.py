@@ -8,12 +8,17 @@ The learner runs on this thread; `config.rollout.num_workers` rollout workers ru
 sharing the model and the devices (weights are handed over as arrays, nothing serialised).
 With `config.run_dir` set, the run writes there: metrics.jsonl, TensorBoard events (tb/),
 Orbax checkpoints (checkpoints/), eval_start.json / eval_end.json (greedy held-out accuracy
-on `config.eval.n` test tasks), plot.png and summary.json. Ctrl-C stops after the current
-update with a checkpoint; the same command resumes from the last checkpoint. A progress bar
+on `config.eval.n` test tasks; also every `config.eval.every` updates, all in evals.jsonl),
+plot.png and summary.json. With `config.sft.steps > 0` a supervised warm start
+(`launch.sft`, into run_dir/sft) runs first, and the base model is evaluated before it; the
+summary then holds a per-difficulty table of the base, warm-started and final models.
+Ctrl-C stops after the current step with a checkpoint; the same command resumes from the last
+checkpoint. A progress bar
 shows reward, acceptance rate, tokens/s, lag and queue depth; the last stdout line is the run
 summary as JSON. Bad flags or configs exit with status 2 and a one-line message.
 """
 
+import dataclasses
 import json
 import os
 import signal
@@ -32,10 +37,53 @@ def _evaluate(c, model, params, label):
         file=sys.stderr, flush=True)
   r = evaluate(model.config, params, model.tokenizer, env, system.agent_config(c), n=c.eval.n,
                num_slots=c.eval.num_slots)
+  levels = "".join(f"; {lv}: accuracy {x['accuracy']:.3f}, tool calls "
+                   f"{x['tool_calls_per_trajectory']:.2f}"
+                   for lv, x in r.get("by_level", {}).items())
   print(f"  {label}: accuracy {r['accuracy']:.3f}, tool calls {r['tool_calls_per_trajectory']:.2f}"
-        f", length {r['response_length']:.1f}, truncated {r['truncation_rate']:.3f} "
+        f", length {r['response_length']:.1f}, truncated {r['truncation_rate']:.3f}{levels} "
         f"({r['seconds']:.0f}s)", file=sys.stderr, flush=True)
   return r
+
+
+class Evals:
+  """Held-out evaluations of a run: run_dir/evals.jsonl (one row per stage and version:
+  `base` before the warm start, `sft` after it, `rl` during and after RL), plus
+  eval_start.json / eval_end.json. Rows already there (a resumed run) are not redone."""
+
+  def __init__(self, c, model):
+    self.c, self.model = c, model
+    self.path = os.path.join(c.run_dir, "evals.jsonl")
+    self.rows = []
+    if os.path.exists(self.path):
+      with open(self.path) as f:
+        self.rows = [json.loads(line) for line in f if line.strip()]
+
+  def get(self, stage, version):
+    return next((r for r in self.rows if (r["stage"], r["version"]) == (stage, version)), None)
+
+  def run(self, stage, version, params, label):
+    row = self.get(stage, version)
+    if row is None:
+      row = {"stage": stage, "version": version,
+             **_evaluate(self.c, self.model, params, label)}
+      self.rows.append(row)
+      with open(self.path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+    return row
+
+
+def _table(stages: dict) -> dict:
+  """{stage: {level or "all": {"accuracy", "tool_calls"}}}: the before/after table."""
+  out = {}
+  for name, r in stages.items():
+    if r is None:
+      continue
+    row = {"all": {"accuracy": r["accuracy"], "tool_calls": r["tool_calls_per_trajectory"]}}
+    for lv, x in r.get("by_level", {}).items():
+      row[lv] = {"accuracy": x["accuracy"], "tool_calls": x["tool_calls_per_trajectory"]}
+    out[name] = row
+  return out
 
 
 def main(argv):
@@ -46,6 +94,8 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # keep the progress bar readable
   c = common.load_config()
   common.require_tool_isolation(c)
+  if c.sft.steps and not c.run_dir:
+    common.fail("sft.steps > 0 needs --run_dir (the warm start is saved in run_dir/sft)")
   model = common.load_model(c)
   from fr_jax import config as rcfg
   from fr_jax import system
@@ -53,40 +103,72 @@ def main(argv):
   t0 = time.time()
   run = c.run_dir
   path = lambda name: os.path.join(run, name)  # noqa: E731
-  ev_start = None
-  if c.eval.n and run:
-    os.makedirs(run, exist_ok=True)
-    if os.path.exists(path("eval_start.json")):
-      ev_start = json.load(open(path("eval_start.json")))
-    else:
-      ev_start = _evaluate(c, model, model.params, "the starting model")
-      json.dump(ev_start, open(path("eval_start.json"), "w"), indent=1)
   stop = threading.Event()
 
   def interrupt(*_):
     if stop.is_set():
       raise KeyboardInterrupt
-    print("\nstopping after this update (a checkpoint will be saved); Ctrl-C again to abort",
+    print("\nstopping after this step (a checkpoint will be saved); Ctrl-C again to abort",
           file=sys.stderr, flush=True)
     stop.set()
 
   signal.signal(signal.SIGINT, interrupt)
+  evals = Evals(c, model) if (c.eval.n and run) else None
+  if run:
+    os.makedirs(run, exist_ok=True)
+  stages = {}
+  warm = None
+  if c.sft.steps:
+    from fr_jax.sft import SFTDataError
+    from launch.sft import warm_start
+    if evals:
+      stages["base"] = evals.run("base", 0, model.params, "the base model")
+    try:
+      warm = warm_start(c, model, path("sft"), stop=stop)
+    except (SFTDataError, FileNotFoundError) as e:
+      common.fail(str(e))
+    if not warm["finished"]:
+      print(f"interrupted in the warm start at step {warm['steps']}; run the same command to "
+            "resume", file=sys.stderr)
+      return
+    model = dataclasses.replace(model, params=warm.pop("params"))
+    if evals:
+      evals.model = model
+  ev_start = None
+  if evals:
+    ev_start = evals.run("sft" if c.sft.steps else "rl", 0, model.params,
+                         "the warm-started model" if c.sft.steps else "the starting model")
+    stages["sft" if c.sft.steps else "start"] = ev_start
+    json.dump(ev_start, open(path("eval_start.json"), "w"), indent=1)
   final: dict = {}
+
+  def on_update(m, service, bar):
+    bar.update(m, service)
+    every = c.eval.every
+    if evals and every and service.version % every == 0 and service.version < c.max_updates:
+      v, params = service.weights(0)
+      evals.run("rl", v, params, f"version {v}")
+
   try:
     with Progress(c.max_updates) as bar:
-      summary = system.train_in_process(c, model=model, on_update=bar.update, stop=stop,
-                                        final=final)
+      summary = system.train_in_process(c, model=model, on_update=lambda m, s: on_update(m, s, bar),
+                                        stop=stop, final=final)
   except rcfg.ConfigError as e:
     common.fail(f"config error: {e}")
   if stop.is_set():
     print(f"interrupted at version {summary['version']}; run the same command to resume",
           file=sys.stderr)
-  elif c.eval.n and run:
-    ev_end = _evaluate(c, model, final["params"], f"version {final['version']}")
+  elif evals:
+    ev_end = evals.run("rl", final["version"], final["params"], f"version {final['version']}")
     json.dump(ev_end, open(path("eval_end.json"), "w"), indent=1)
+    stages["rl"] = ev_end
     summary.update(heldout_accuracy_start=ev_start["accuracy"],
                    heldout_accuracy_end=ev_end["accuracy"],
-                   heldout_n=c.eval.n, heldout_tool_calls_end=ev_end["tool_calls_per_trajectory"])
+                   heldout_n=c.eval.n, heldout_tool_calls_end=ev_end["tool_calls_per_trajectory"],
+                   heldout_table=_table(stages))
+  if warm is not None:
+    summary["sft"] = {k: warm[k] for k in ("steps", "examples", "loss_first", "loss_last",
+                                           "export", "wall_s")}
   if run and os.path.exists(path("metrics.jsonl")):
     from fr_jax.plots import plot_run
     summary["plot"] = plot_run(run)

@@ -62,3 +62,64 @@ def test_plot_run_writes_a_png(tmp_path):
   path = plot_run(tmp_path)
   data = open(path, "rb").read()
   assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+class LevelEngine:
+  """On tool_arithmetic: answers easy items directly (right), calls the tool on hard items
+  and then answers right on every other hard item (a test double of the engine)."""
+
+  version = 0
+
+  def __init__(self, tok, env, n):
+    self.tok = tok
+    self.tasks = {env.task("test", k).prompt: (k, env.task("test", k)) for k in range(n)}
+
+  def generate(self, requests, should_abort=None):
+    out = []
+    for r in requests:
+      text = self.tok.decode(r.prompt_ids)
+      k, t = next(v for p, v in self.tasks.items() if p in text)
+      if t.meta["level"] == "easy":
+        reply = str(t.answer)
+      elif "<tool_response>" not in text:
+        reply = ('<tool_call>\n{"name": "python", "arguments": {"code": "print(%d * %d)"}}\n'
+                 '</tool_call>' % (t.meta["a"], t.meta["b"]))
+      else:
+        reply = str(t.answer if k % 4 == 1 else t.answer + 1)
+      ids = self.tok.encode(reply) + [self.tok.token_id("<|im_end|>")]
+      out.append(Completion(r.request_id, ids, [-0.5] * len(ids), "stop", [0] * len(ids)))
+    return out
+
+
+def test_accuracy_and_tool_calls_per_level_match_hand_count(tmp_path):
+  tok = Tokenizer.byte_level()
+  env = envs.make("tool_arithmetic", tool_cost=0.1)
+  n = 8  # items 0, 2, 4, 6 easy; 1, 3, 5, 7 hard, of which 1 and 5 are answered right
+  r = evaluate(None, None, tok, env, AgentConfig(max_turns=3, max_total_tokens=4096), n=n,
+               engine=LevelEngine(tok, env, n))
+  assert r["by_level"] == {
+      "easy": {"n": 4, "accuracy": 1.0, "tool_calls_per_trajectory": 0.0},
+      "hard": {"n": 4, "accuracy": 0.5, "tool_calls_per_trajectory": 1.0}}
+  assert r["accuracy"] == 6 / 8 and r["tool_calls_per_trajectory"] == 4 / 8
+  assert abs(r["reward"] - (6 - 0.1 * 4) / 8) < 1e-12  # accuracy minus the tool's price
+
+
+def test_plot_run_with_levels_and_stages(tmp_path):
+  rows = [dict(step=s, loss=0.1, reward_mean=0.1 * s, acceptance_rate=1.0, response_length=20,
+               truncation_rate=0.0, tool_calls=0.5) for s in range(1, 9)]
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  lv = lambda a, t: {"accuracy": a, "tool_calls_per_trajectory": t}  # noqa: E731
+  evals = [dict(stage="base", version=0, n=10, accuracy=0.1, tool_calls_per_trajectory=0.0,
+                by_level={"easy": lv(0.2, 0.0), "hard": lv(0.0, 0.0)})]
+  evals += [dict(stage=st, version=v, n=10, accuracy=0.5, tool_calls_per_trajectory=0.5,
+                 by_level={"easy": lv(0.9, 0.5 - v / 20), "hard": lv(0.2 + v / 10, 0.5 + v / 20)})
+            for st, v in (("sft", 0), ("rl", 4), ("rl", 8))]
+  (tmp_path / "evals.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals))
+  data = open(plot_run(tmp_path), "rb").read()
+  assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_moving_average_by_hand():
+  from fr_jax.plots import moving_average
+  assert moving_average([1, 2, 3, 4, 5], 2).tolist() == [1.0, 1.5, 2.5, 3.5, 4.5]
+  assert moving_average([3, 1], 5).tolist() == [3.0, 2.0]

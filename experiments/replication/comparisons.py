@@ -120,6 +120,26 @@ COMPARISONS = {c.name: c for c in [
         (), note="no claimed direction: the paper leaves this open"),
 ]}
 
+# On a real model (experiments/replication/lm.py): slow, so not in the default set; run it with
+# --only=tool_use_lm.
+from experiments.replication.lm import LMSetting  # noqa: E402
+
+COMPARISONS["tool_use_lm"] = Comparison(
+    "tool_use_lm", "8. tool use on SmolLM2-135M: signed vs positive-only, from one SFT start",
+    "tool_arithmetic: easy 1-digit sums and hard 3-digit x 2-digit products, 0.1 reward per "
+    "tool call; greedy held-out evaluation of 100 items, per difficulty",
+    "tool use, 7B: 36.2 mean, 3.30 tool calls (signed) vs 9.8, 0.00 (positive-only)",
+    {"signed": LMSetting(), "positive_only": LMSetting(advantage="positive_only")},
+    ("end.accuracy", "end.hard_accuracy", "end.easy_accuracy", "end.tool_calls_per_trajectory",
+     "end.hard_tool_calls", "end.easy_tool_calls", "curve_last.reward"),
+    (Claim("end.accuracy", "signed", "positive_only", True, "36.2 vs 9.8"),
+     Claim("end.tool_calls_per_trajectory", "signed", "positive_only", True,
+           "3.30 vs 0.00 tool calls"),
+     Claim("end.hard_accuracy", "signed", "positive_only", True, "(the tool's items)")),
+    note="SmolLM2-135M-Instruct after the agent demo's supervised warm start (shared by "
+         "every run); RL at policy lag 0 with the cpu_agent recipe.")
+SLOW = ("tool_use_lm",)
+
 FAST = Comparison(
     "fast", "fast mode: signed vs positive-only on the copy task, tiny budget",
     "copy, 6 updates of B=8, 2 seeds", "(plumbing check, not a result)",

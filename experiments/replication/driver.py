@@ -258,6 +258,50 @@ def _eval(s: Setting, model_cfg, params, tok) -> dict:
   return out
 
 
+def rl_loop(learner, engine, loop, env, *, updates: int, lag: int, batch_size: int,
+            seed: int, minibatches: int = 1, group_size: int = 1, params0=None,
+            log: Optional[Callable[[str], None]] = None) -> dict:
+  """Updates `learner` to version `updates` on rollouts sampled at an exact policy lag: the
+  rollouts for update t come from the snapshot of version max(0, t - lag). Returns the
+  per-update curve, the prompts covered, the rollouts made and the training seconds."""
+  t_train = time.perf_counter()
+  snapshots = {0: jax.device_get(learner.params) if params0 is None else params0}
+  prompts = iter(prompt_dataset(env, "train", seed=seed))
+  covered: set = set()
+  curve = []
+  n_prompts = batch_size * minibatches // group_size
+  rollouts = 0
+  while learner.version < updates:
+    v = learner.version
+    vb = max(0, v - lag)
+    engine.update_weights(snapshots[vb], vb)
+    tasks = [next(prompts) for _ in range(n_prompts)]
+    covered.update(t.task_id for t in tasks)
+    tasks = [t for t in tasks for _ in range(group_size)]
+    seeds = [(seed * 1_000_003 + v * 4099 + i) % 2**31 for i in range(len(tasks))]
+    trajs, _ = loop.run(tasks, seeds)
+    for i, t in enumerate(trajs):
+      t.traj_id = f"{t.traj_id}@{v}.{i}"
+    rollouts += len(trajs)
+    m = learner.update(trajs, log_ids=False)
+    snapshots[learner.version] = jax.device_get(learner.params)
+    for old in [k for k in snapshots if k < learner.version - lag]:
+      del snapshots[old]
+    curve.append(dict(version=learner.version, reward=m["reward_mean"],
+                      acceptance=m["acceptance_rate"], entropy=m["entropy"],
+                      kl_proxy_mean=m["kl_proxy_mean"], kl_proxy_max=m["kl_proxy_max"],
+                      ratio_max=m["ratio_max"],
+                      length=m["response_length"], truncation=m["truncation_rate"],
+                      tool_calls=m["tool_calls"], policy_lag=m["policy_lag_mean"],
+                      finite=m["finite"]))
+    if log and (learner.version % 10 == 0 or learner.version >= updates):
+      log(f"  v{learner.version}: reward {m['reward_mean']:.2f} acceptance "
+          f"{m['acceptance_rate']:.2f} entropy {m['entropy']:.2f} length "
+          f"{m['response_length']:.1f} tool calls {m['tool_calls']:.2f}")
+  return dict(curve=curve, prompts_covered=len(covered), rollouts=rollouts,
+              train_wall_s=round(time.perf_counter() - t_train, 2))
+
+
 def run(s: Setting, seed: int, *, log: Optional[Callable[[str], None]] = None) -> dict:
   """One arm, one seed. Returns the per-update curve and the held-out evaluations."""
   t0 = time.perf_counter()
@@ -271,43 +315,10 @@ def run(s: Setting, seed: int, *, log: Optional[Callable[[str], None]] = None) -
                           max_len=s.max_total_tokens + 1)
   loop = AgentLoop(engine, tok, env, s.agent())
   start = _eval(s, cfg, model.params, tok)
-  t_train = time.perf_counter()
-  snapshots = {0: params0}
-  prompts = iter(prompt_dataset(env, "train", seed=seed))
-  covered: set = set()
-  curve = []
-  n_prompts = s.batch_size * s.minibatches // s.group_size
-  rollouts = 0
-  while learner.version < s.updates:
-    v = learner.version
-    vb = max(0, v - s.lag)
-    engine.update_weights(snapshots[vb], vb)
-    tasks = [next(prompts) for _ in range(n_prompts)]
-    covered.update(t.task_id for t in tasks)
-    tasks = [t for t in tasks for _ in range(s.group_size)]
-    seeds = [(seed * 1_000_003 + v * 4099 + i) % 2**31 for i in range(len(tasks))]
-    trajs, _ = loop.run(tasks, seeds)
-    for i, t in enumerate(trajs):
-      t.traj_id = f"{t.traj_id}@{v}.{i}"
-    rollouts += len(trajs)
-    m = learner.update(trajs, log_ids=False)
-    snapshots[learner.version] = jax.device_get(learner.params)
-    for old in [k for k in snapshots if k < learner.version - s.lag]:
-      del snapshots[old]
-    curve.append(dict(version=learner.version, reward=m["reward_mean"],
-                      acceptance=m["acceptance_rate"], entropy=m["entropy"],
-                      kl_proxy_mean=m["kl_proxy_mean"], kl_proxy_max=m["kl_proxy_max"],
-                      ratio_max=m["ratio_max"],
-                      length=m["response_length"], truncation=m["truncation_rate"],
-                      tool_calls=m["tool_calls"], policy_lag=m["policy_lag_mean"],
-                      finite=m["finite"]))
-    if log and (learner.version % 10 == 0 or learner.version >= s.updates):
-      log(f"  v{learner.version}: reward {m['reward_mean']:.2f} acceptance "
-          f"{m['acceptance_rate']:.2f} entropy {m['entropy']:.2f} length "
-          f"{m['response_length']:.1f}")
-  train_s = time.perf_counter() - t_train
+  r = rl_loop(learner, engine, loop, env, updates=s.updates, lag=s.lag,
+              batch_size=s.batch_size, seed=seed, minibatches=s.minibatches,
+              group_size=s.group_size, params0=params0, log=log)
   end = _eval(s, cfg, learner.params, tok)
   learner.close()
-  return dict(seed=seed, warm_start=warm, start=start, end=end, curve=curve,
-              prompts_covered=len(covered), rollouts=rollouts, train_wall_s=round(train_s, 2),
+  return dict(seed=seed, warm_start=warm, start=start, end=end, **r,
               wall_s=round(time.perf_counter() - t0, 2))

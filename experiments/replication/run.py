@@ -4,6 +4,7 @@ r"""Replication runner: the paper's ablation directions at CPU scale, several se
   .venv/bin/python -m experiments.replication.run                      # all seven, 5 seeds
   .venv/bin/python -m experiments.replication.run --only=gate_on_off   # one comparison
   .venv/bin/python -m experiments.replication.run --only=fast --seeds=2 # the tiny plumbing check
+  .venv/bin/python -m experiments.replication.run --only=tool_use_lm --seeds=3  # SmolLM2, slow
   make replication
 
 Writes to --out (default runs/replication): `results.json` (every run: curves, held-out
@@ -14,7 +15,9 @@ Runs already in `results.json` with the same settings are kept unless --rerun (a
 comparison updates only its rows. Summaries and the table are always recomputed.
 
 Setting: the `digits` tasks on a warm-started tiny model (`experiments/replication/driver.py`
-says why and how). These runs test the method's mechanisms, not the paper's numbers.
+says why and how). These runs test the method's mechanisms, not the paper's numbers. The
+eighth, `tool_use_lm`, runs on SmolLM2-135M-Instruct (`experiments/replication/lm.py`); it
+takes hours on 2 cores, so only --only=tool_use_lm runs it.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from absl import app, flags
 from experiments.replication import comparisons as comps
 from experiments.replication import stats
 
-flags.DEFINE_list("only", [], "comparisons to run (default: all seven); `fast` = the tiny check")
+flags.DEFINE_list("only", [], "comparisons to run (default: the seven on the tiny model); "
+                  "`fast` = the tiny check; `tool_use_lm` = the slow one on SmolLM2")
 flags.DEFINE_integer("seeds", 5, "seeds per arm (>= 2 for intervals)")
 flags.DEFINE_string("out", "runs/replication", "output directory")
 flags.DEFINE_bool("rerun", False, "run comparisons again even if results.json has them")
@@ -59,7 +63,7 @@ def run_comparison(c: comps.Comparison, seeds: int, have: Optional[dict] = None)
       t0 = time.perf_counter()
       _say(f"[{c.name}] {arm} seed {seed}: {s.updates} updates of B={s.batch_size}"
            f"{f' (lag {s.lag})' if s.lag else ''}")
-      r = driver.run(s, seed, log=_say)
+      r = s.run(seed, log=_say) if hasattr(s, "run") else driver.run(s, seed, log=_say)
       runs[arm].append(r)
       _say(f"[{c.name}] {arm} seed {seed}: held-out accuracy {r['start']['accuracy']:.3f} -> "
            f"{r['end']['accuracy']:.3f} ({time.perf_counter() - t0:.0f}s)")
@@ -91,8 +95,8 @@ def _fmt(ci: dict, metric: str) -> str:
 def markdown(results: dict) -> str:
   out = ["# Replication results", "",
          "Mean [95% t-interval] over seeds; differences are paired by seed (first arm minus "
-         "second). Setting: `digits` tasks, warm-started tiny-chat model (see "
-         "docs/replication.md).", ""]
+         "second). Setting: `digits` tasks, warm-started tiny-chat model, except where a "
+         "comparison says otherwise (see docs/replication.md).", ""]
   for name, res in results["comparisons"].items():
     c = comps.get(name)
     s = res["summary"]
@@ -149,7 +153,7 @@ def _write(results: dict, path: Path, out: Path):
 
 def main(argv):
   del argv
-  names = F.only or list(comps.COMPARISONS)
+  names = F.only or [n for n in comps.COMPARISONS if n not in comps.SLOW]
   for n in names:  # unknown names fail before any work
     try:
       comps.get(n)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import json
 import operator
 import re
 from typing import Optional
@@ -121,6 +122,120 @@ class Arithmetic:
 
   def start(self, task):
     return None
+
+
+# --- when to call the tool: mixed difficulty, a priced tool ----------------------------------
+
+# Short on purpose (every trajectory carries it): the call format is the warm start's to teach.
+TOOL_COST_SYSTEM = ("You may call a Python tool; each call costs {cost} points. "
+                    "Answer with just the number.")
+_EASY_TEXT = ["What is {a} + {b}?", "What is {a} plus {b}?", "Compute {a} + {b}.",
+              "Add {a} and {b}.", "{name} has {a} apples and gets {b} more. How many apples?",
+              "{name} read {a} pages, then {b} more. How many pages?"]
+_HARD_TEXT = ["What is {a} x {b}?", "What is {a} times {b}?", "Compute {a} * {b}.",
+              "Multiply {a} by {b}.", "{name} buys {a} boxes of {b} pens. How many pens?",
+              "A hall has {a} rows of {b} seats. How many seats?"]
+LEVELS = ("easy", "hard")
+
+
+@dataclasses.dataclass
+class ToolArithmetic:
+  """When is the tool worth its price? Easy items (1-digit + 1-digit: a model answers them
+  directly) and hard items (3-digit x 2-digit: about 0% without the tool), with the Python
+  tool offered at `tool_cost` reward per call. The reward is 1 for a correct final answer
+  minus `tool_cost` per call (the agent loop charges it, `Env.tool_cost`), so the best
+  policy calls the tool on hard items and answers easy ones directly.
+
+  Each item is phrased one of six ways (two are word problems with a name), so the held-out
+  split is disjoint in wording from training; easy items cover only the 81 one-digit sums,
+  so a held-out easy item asks a fact that training items ask in other words. `task.meta`
+  holds the item's `level`, which evaluations group by. `demonstration()` writes the SFT
+  warm start's conversations (`launch.sft`)."""
+
+  hard_fraction: float = 0.5
+  tool_cost: float = 0.1
+  seed: int = 0
+  train_size: int = 100_000
+  test_size: int = 200
+  tools: tuple = ("python",)
+  name: str = "tool_arithmetic"
+  interactive: bool = False
+
+  def __post_init__(self):
+    if not 0 <= self.hard_fraction <= 1 or not 0 <= self.tool_cost < 1:
+      raise ValueError(f"hard_fraction={self.hard_fraction} must be in [0, 1] and "
+                       f"tool_cost={self.tool_cost} in [0, 1)")
+    self._test: list[Task] = []
+
+  @property
+  def system_prompt(self) -> str:
+    return TOOL_COST_SYSTEM.replace("{cost}", f"{self.tool_cost:g}")
+
+  def split_size(self, split: str) -> int:
+    check_split(split)
+    return self.train_size if split == "train" else self.test_size
+
+  def _draw(self, rng, hard: Optional[bool] = None) -> Task:
+    if hard is None:
+      hard = bool(rng.random() < self.hard_fraction)
+    if hard:
+      a, b, op, texts = int(rng.integers(100, 1000)), int(rng.integers(10, 100)), "*", _HARD_TEXT
+    else:
+      a, b, op, texts = int(rng.integers(1, 10)), int(rng.integers(1, 10)), "+", _EASY_TEXT
+    k = int(rng.integers(len(texts)))
+    name = _NAMES[int(rng.integers(len(_NAMES)))] if "{name}" in texts[k] else ""
+    level = LEVELS[int(hard)]
+    key = f"{self.name}:{level}:{a}{op}{b}:{k}:{name}"
+    return Task(self.name, key, texts[k].format(a=a, b=b, name=name), _OPS[op](a, b),
+                {"level": level, "a": a, "b": b, "op": op})
+
+  def task(self, split: str, index: int) -> Task:
+    """Train tasks as `procedural_task` draws them; the test split holds each level in
+    proportion (item i is hard when floor((i + 1) * hard_fraction) grows at i), distinct
+    items whose keys hash to test, so any prefix of it is balanced too."""
+    check_split(split)
+    if split == "train":
+      return procedural_task(self._draw, self.seed, split, index, self._test, self.test_size)
+    if not self._test:
+      rng, seen = np.random.default_rng([self.seed, 2]), set()
+      for i in range(self.test_size):
+        hard = int((i + 1) * self.hard_fraction) > int(i * self.hard_fraction)
+        for _ in range(100_000):
+          t = self._draw(rng, hard)
+          if split_of(t.task_id) == "test" and t.task_id not in seen:
+            break
+        else:
+          raise ValueError(f"too few distinct test items; lower test_size={self.test_size}")
+        seen.add(t.task_id)
+        self._test.append(t)
+    return self._test[index]
+
+  def reward(self, task: Task, final_text: str) -> float:
+    """1 for the right number on the last line, else 0 (the tool's price is the loop's)."""
+    got = last_number(final_text)
+    return float(got is not None and abs(got - float(task.answer)) < 1e-6)
+
+  def start(self, task):
+    return None
+
+  def demonstration(self, task: Task, use_tool: bool) -> list[dict]:
+    """A correct conversation for `task`: a tool call, its output and the answer, or the
+    answer alone. Messages in the SFT format (`fr_jax.sft`)."""
+    m = task.meta
+    msgs = [{"role": "system", "content": self.system_prompt},
+            {"role": "user", "content": task.prompt}]
+    if use_tool:
+      code = f"print({m['a']} {m['op']} {m['b']})"
+      msgs += [{"role": "assistant", "content": tool_call_text(code)},
+               {"role": "tool", "content": f"{task.answer}\n"}]  # what print() writes
+    return msgs + [{"role": "assistant", "content": str(task.answer)}]
+
+
+def tool_call_text(code: str) -> str:
+  """A model turn calling the Python tool on `code`, in the Hermes format the agent loop
+  parses."""
+  return ("<tool_call>\n" + json.dumps({"name": "python", "arguments": {"code": code}})
+          + "\n</tool_call>")
 
 
 # --- countdown -------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 Every ablation is one field: `objective.reduction=token_mean`, `objective.trust=token|none`,
 `objective.advantage=positive_only`, `objective.delta=inf`, `minibatches=4` (sequential
-minibatches), `objective.loss=grpo` (group advantages + PPO-clip).
+minibatches), `objective.loss=grpo` (group advantages + PPO-clip). `objective.loss=sft`
+is the supervised warm start's (`launch.sft`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import ml_collections
 from fr_jax import objective as obj
 from fr_jax.models.config import check_attention
 
-LOSSES = ("flash_reinforce", "grpo")
+LOSSES = ("flash_reinforce", "grpo", "sft")
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -35,7 +36,7 @@ def default_config() -> ml_collections.ConfigDict:
       shapes="",
   ))
   c.objective = ml_collections.ConfigDict(dict(
-      loss="flash_reinforce",  # or grpo
+      loss="flash_reinforce",  # grpo, or sft (launch.sft sets it)
       delta=3e-3,  # sequence trust bound; inf disables the gate
       reduction="sample_mean",
       trust="sequence",

@@ -35,7 +35,7 @@ class StepConfig:
   """Everything static the update step closes over (hashable)."""
 
   model: ModelConfig
-  loss: str = "flash_reinforce"  # or grpo (batch.rewards then holds advantages)
+  loss: str = "flash_reinforce"  # grpo (batch.rewards then holds advantages) or sft
   delta: float = 3e-3
   reduction: str = "sample_mean"
   trust: str = "sequence"
@@ -63,7 +63,15 @@ def _grads_and_sums(params, batch, stats: obj.BatchStats, sc: StepConfig):
     logp, entropy = decoder.score_packed(params, sc.model, batch.tokens, batch.targets,
                                          batch.positions, batch.segment_ids, sc.temperature,
                                          remat=sc.remat)
-    if sc.loss == "flash_reinforce":
+    if sc.loss == "sft":
+      # Supervised: the objective with A_i = 1, rho = 1 and no gate, i.e. the mean over
+      # sequences of each one's mean negative log-likelihood of its action tokens (or the
+      # token mean with reduction=token_mean). Rewards and behaviour log-probs are unused.
+      loss, aux = obj.flash_reinforce_loss_packed(
+          logp, jax.lax.stop_gradient(logp), batch.action_mask, batch.segment_ids,
+          batch.segment_valid.astype(jnp.float32), batch.segment_valid, delta=float("inf"),
+          reduction=sc.reduction, trust="none", advantage="positive_only", stats=stats)
+    elif sc.loss == "flash_reinforce":
       loss, aux = obj.flash_reinforce_loss_packed(
           logp, batch.behavior_logp, batch.action_mask, batch.segment_ids, batch.rewards,
           batch.segment_valid, delta=sc.delta, reduction=sc.reduction, trust=sc.trust,
@@ -81,10 +89,12 @@ def _grads_and_sums(params, batch, stats: obj.BatchStats, sc: StepConfig):
   f32 = jnp.float32
   n_tok = mask.sum().astype(f32)
   logp = jax.lax.stop_gradient(logp)
-  rho = jnp.where(mask, jnp.exp(logp - batch.behavior_logp), 0.0)
+  # A supervised target is the policy's own action: ratio 1, KL 0, every sequence admitted.
+  behavior = logp if sc.loss == "sft" else batch.behavior_logp
+  rho = jnp.where(mask, jnp.exp(logp - behavior), 0.0)
   seq_kl = aux.get("seq_kl", jnp.zeros(valid.shape, f32))
   admitted = aux.get("admitted", valid)
-  d = jnp.where(mask, obj.bernoulli_kl(batch.behavior_logp, logp), 0.0)
+  d = jnp.where(mask, obj.bernoulli_kl(behavior, logp), 0.0)
   sums = {
       "loss": loss,
       "admitted": (admitted & valid).sum().astype(f32),

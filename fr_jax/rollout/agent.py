@@ -78,6 +78,20 @@ def parse_tool_call(text: str) -> tuple[Optional[str], Optional[str]]:
   return code, None
 
 
+def prompt_ids(tok, messages: list[dict], template: str = "model") -> list[int]:
+  """An episode's prompt: the system and user turns rendered by the chat template
+  (`template`: "model", the model's own, or "chatml"), then the assistant header."""
+  text = tok.chatml(messages) if template == "chatml" else tok.apply_chat_template(messages)
+  return tok.encode(text)
+
+
+def user_turn_ids(tok, text: str, wrap: tuple[str, str] = ("", "")) -> list[int]:
+  """Template tokens closing the model turn, a user turn with `text` (untrusted: encoded as
+  text) inside `wrap` (template), and the next assistant header."""
+  return tok.encode_pieces([("\n<|im_start|>user\n" + wrap[0], True), (text, False),
+                            (wrap[1] + "<|im_end|>\n<|im_start|>assistant\n", True)])
+
+
 @dataclasses.dataclass
 class Episode:
   """One rollout in progress."""
@@ -93,7 +107,8 @@ class Episode:
   tool_calls: int = 0
   done: bool = False
   finish_reason: str = "stop"
-  reward: float = 0.0
+  reward: float = 0.0  # score minus the env's tool charges
+  score: float = 0.0  # the env's verdict on the episode (its accuracy)
   last_text: str = ""
 
   @property
@@ -112,22 +127,14 @@ class AgentLoop:
                            else "none")
 
   # --- text <-> tokens ---
-  def _render(self, messages) -> str:
-    if self.cfg.template == "chatml":
-      return self.tok.chatml(messages)
-    return self.tok.apply_chat_template(messages)
-
   def user_turn_ids(self, text: str, wrap: tuple[str, str] = ("", "")) -> list[int]:
-    """Template tokens closing the model turn, a user turn with `text` (untrusted: encoded
-    as text) inside `wrap` (template), and the next assistant header."""
-    return self.tok.encode_pieces([("\n<|im_start|>user\n" + wrap[0], True), (text, False),
-                                   (wrap[1] + "<|im_end|>\n<|im_start|>assistant\n", True)])
+    return user_turn_ids(self.tok, text, wrap)
 
   def start(self, task: Task) -> Episode:
     messages = ([{"role": "system", "content": self.env.system_prompt}]
                 if self.env.system_prompt else [])
     messages.append({"role": "user", "content": task.prompt})
-    ids = self.tok.encode(self._render(messages))
+    ids = prompt_ids(self.tok, messages, self.cfg.template)
     ep = Episode(task, ids, self.env.start(task) if self.env.interactive else None)
     if ep.length >= self.cfg.max_total_tokens:
       ep.done, ep.finish_reason = True, "length"
@@ -159,20 +166,22 @@ class AgentLoop:
       return
     if c.finish_reason == "length":  # the turn was cut at a limit
       ep.done, ep.finish_reason = True, "length"
-      ep.reward = self._final_reward(ep, text)
+      self._score(ep, self._final_reward(ep, text))
       return
     if self.env.interactive:
       obs, finished = ep.env_episode.observe(text)
       # An interactive environment that offers tools counts its own calls.
       ep.tool_calls = getattr(ep.env_episode, "tool_calls", ep.tool_calls)
       if finished:
-        ep.done, ep.reward = True, ep.env_episode.reward()
+        ep.done = True
+        self._score(ep, ep.env_episode.reward())
         return
       reply, wrap = obs, ("", "")
     else:
       code, error = parse_tool_call(text) if "python" in self.env.tools else (None, None)
       if code is None and error is None:  # no tool call: the final answer
-        ep.done, ep.reward = True, self._final_reward(ep, text)
+        ep.done = True
+        self._score(ep, self._final_reward(ep, text))
         return
       ep.tool_calls += 1
       if error is not None:
@@ -182,12 +191,18 @@ class AgentLoop:
       if len(out) > MAX_TOOL_OUTPUT_CHARS:
         out = out[:MAX_TOOL_OUTPUT_CHARS] + "\n[tool: output truncated]"
       reply, wrap = out, (RESPONSE_OPEN, RESPONSE_CLOSE)
-    ids = self.user_turn_ids(reply, wrap)
+    ids = user_turn_ids(self.tok, reply, wrap)
     if ep.turns >= self.cfg.max_turns or ep.length + len(ids) >= self.cfg.max_total_tokens:
       ep.done, ep.finish_reason = True, "length"
-      ep.reward = self._final_reward(ep, text)
+      self._score(ep, self._final_reward(ep, text))
       return
     self._append(ep, ids, action=False)
+
+  def _score(self, ep: Episode, score: float) -> None:
+    """The episode's reward: the env's score minus `env.tool_cost` (if it prices its tool)
+    per tool call, malformed calls included."""
+    ep.score = float(score)
+    ep.reward = ep.score - float(getattr(self.env, "tool_cost", 0.0)) * ep.tool_calls
 
   def _final_reward(self, ep: Episode, text: str) -> float:
     if self.env.interactive:

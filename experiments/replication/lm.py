@@ -1,0 +1,120 @@
+"""The tool-use comparison on a real model (`--only=tool_use_lm`, slow): SmolLM2-135M-Instruct
+on the agent demo's task (`tool_arithmetic`: easy items answered directly, hard ones needing
+the tool, 0.1 reward per call), signed against positive-only advantages.
+
+Every run starts from one supervised warm start (the agent demo's, `launch.sft.warm_start`
+with the `cpu_agent` config), computed once and shared by every arm and seed, so arms differ
+only in the advantage. RL is the production learner (the cpu_agent config's objective,
+optimiser and packing) on rollouts of the real agent loop and embedded engine, sampled at an
+exact policy lag (`driver.rl_loop`). Seeds change the prompts' order and the sampling.
+Held-out evaluations are greedy on the test split's first `eval_n` items, per difficulty.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import jax
+
+from experiments.replication import driver
+
+
+def _config(name: str):
+  return importlib.import_module(f"experiments.configs.{name}").get_config()
+
+
+@dataclasses.dataclass(frozen=True)
+class LMSetting:
+  """One arm: the config's recipe with these changes."""
+
+  config: str = "cpu_agent"  # experiments/configs/<config>.py
+  advantage: str = "batch_centered"
+  updates: int = 24
+  batch_size: int = 16
+  lag: int = 0
+  eval_n: int = 100
+  minibatches: int = 1  # (the runner's log line reads these)
+  group_size: int = 1
+
+  def run_config(self, seed: int):
+    c = _config(self.config)
+    c.objective.advantage = self.advantage
+    c.batch_size = self.batch_size
+    c.max_updates = c.optim.total_steps = self.updates
+    c.env.seed = seed
+    c.run_dir = c.checkpoint.dir = c.log.dir = ""
+    c.log.peak_flops = 1e11  # no start-up matmul measurement
+    return c
+
+  def run(self, seed: int, *, log: Optional[Callable[[str], None]] = None) -> dict:
+    return run(self, seed, log=log)
+
+
+def _levels(r: dict) -> dict:
+  out = {"accuracy": r["accuracy"], "tool_calls_per_trajectory": r["tool_calls_per_trajectory"],
+         "reward": r["reward"]}
+  for lv, x in r.get("by_level", {}).items():
+    out[f"{lv}_accuracy"] = x["accuracy"]
+    out[f"{lv}_tool_calls"] = x["tool_calls_per_trajectory"]
+  return out
+
+
+def warm_model(s: LMSetting, log=None):
+  """The shared warm start: (model with the SFT parameters, greedy held-out evaluation of it),
+  cached under driver.CACHE_DIR (or computed in a temporary folder)."""
+  import tempfile
+
+  from fr_jax import envs, system
+  from fr_jax.evaluate import evaluate
+  from launch.sft import warm_start
+  c = s.run_config(0)
+  key = f"lm-{s.config}"
+  if key in driver._WARM:
+    return driver._WARM[key]
+  root = Path(driver.CACHE_DIR) if driver.CACHE_DIR else Path(tempfile.mkdtemp())
+  out = root / key
+  model = system.load_model(c)
+  if log:
+    log(f"  warm start: {c.sft.steps} SFT steps in {out}")
+  w = warm_start(c, model, str(out), progress=False)
+  model = dataclasses.replace(model, params=w.pop("params"))
+  path = out / f"eval_start_n{s.eval_n}.json"
+  if path.exists():
+    ev = json.loads(path.read_text())
+  else:
+    env = envs.make(c.env.name, **c.env.kwargs.to_dict())
+    ev = evaluate(model.config, model.params, model.tokenizer, env, system.agent_config(c),
+                  n=s.eval_n, num_slots=c.eval.num_slots)
+    path.write_text(json.dumps(ev))
+  driver._WARM[key] = (model, ev, {k: w[k] for k in ("steps", "loss_last")})
+  return driver._WARM[key]
+
+
+def run(s: LMSetting, seed: int, *, log: Optional[Callable[[str], None]] = None) -> dict:
+  from fr_jax import envs, system
+  from fr_jax.evaluate import evaluate
+  from fr_jax.learner.learner import Learner
+  from fr_jax.rollout.agent import AgentLoop
+  from fr_jax.rollout.embedded import EmbeddedEngine
+  t0 = time.perf_counter()
+  c = s.run_config(seed)
+  model, ev_start, warm = warm_model(s, log)
+  env = envs.make(c.env.name, **c.env.kwargs.to_dict())
+  agent = system.agent_config(c)
+  learner = Learner(c, model=model)
+  engine = EmbeddedEngine(model.config, model.params, tokenizer=model.tokenizer,
+                          num_slots=c.rollout.num_slots, max_len=c.agent.max_total_tokens + 1)
+  loop = AgentLoop(engine, model.tokenizer, env, agent)
+  r = driver.rl_loop(learner, engine, loop, env, updates=s.updates, lag=s.lag,
+                     batch_size=s.batch_size, seed=seed,
+                     params0=jax.device_get(model.params), log=log)
+  ev_end = evaluate(model.config, learner.params, model.tokenizer, env, agent, n=s.eval_n,
+                    num_slots=c.eval.num_slots)
+  learner.close()
+  return dict(seed=seed, warm_start=warm, start=_levels(ev_start), end=_levels(ev_end), **r,
+              wall_s=round(time.perf_counter() - t0, 2))

@@ -46,6 +46,9 @@ def default_config() -> ml_collections.ConfigDict:
   c.eval = ml_collections.ConfigDict(dict(
       n=0,  # launch.train: held-out tasks evaluated (greedy) at the start and the end; 0: none
       every=0,  # launch.train: also every this many updates (the run's curves); 0: never
+      # 0: greedy; > 0: one sample per task at this temperature (fixed seeds). A policy that
+      # is undecided between two actions shows it only when sampled.
+      temperature=0.0,
       num_slots=32,
   ))
   # The supervised warm start (launch.sft; launch.train runs it first when steps > 0).
@@ -57,6 +60,11 @@ def default_config() -> ml_collections.ConfigDict:
       batch_size=16,  # conversations per step
       lr=1e-4,
       warmup_frac=0.1,
+      # token_mean: every assistant token weighs the same. sample_mean would weigh a token by
+      # 1/(its conversation's length): the first token of a 5-token direct answer would count
+      # 8x the first token of a 40-token tool call, and the warm start would learn to call the
+      # tool far less often than its data does.
+      reduction="token_mean",
       checkpoint_every=25,  # steps between checkpoints (resume)
       seed=0,  # data order and generated demonstrations
   ))
@@ -102,6 +110,10 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
      or not 0 <= c.sft.tool_fraction <= 1 or not 0 <= c.sft.warmup_frac < 1:
     raise ConfigError("sft: steps >= 0, batch_size >= 1, lr >= 0, checkpoint_every >= 1, "
                       "tool_fraction in [0, 1] and warmup_frac in [0, 1) are required")
+  if c.sft.reduction not in ("sample_mean", "token_mean"):
+    raise ConfigError(f"sft.reduction={c.sft.reduction!r}: choose sample_mean or token_mean")
+  if c.eval.temperature < 0:
+    raise ConfigError(f"eval.temperature={c.eval.temperature} must be >= 0 (0: greedy)")
   if c.eval.every < 0:
     raise ConfigError(f"eval.every={c.eval.every} must be >= 0")
   from fr_jax import envs

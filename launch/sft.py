@@ -36,6 +36,7 @@ def learner_config(c):
   with s.unlocked():
     s.objective.loss = "sft"
     s.objective.temperature = 1.0  # the likelihood of the data, not of a tempered policy
+    s.objective.reduction = c.sft.reduction
     s.batch_size, s.minibatches = c.sft.batch_size, 1
     s.optim.lr, s.optim.warmup_frac = c.sft.lr, c.sft.warmup_frac
     s.optim.total_steps = max(c.sft.steps, 1)

@@ -33,10 +33,12 @@ def _evaluate(c, model, params, label):
   from fr_jax import envs, system
   from fr_jax.evaluate import evaluate
   env = envs.make(c.env.name, **c.env.kwargs.to_dict())
-  print(f"evaluating {label}: {c.eval.n} held-out {c.env.name} tasks, greedy ...",
+  t = c.eval.temperature
+  print(f"evaluating {label}: {c.eval.n} held-out {c.env.name} tasks, "
+        f"{'greedy' if t == 0 else f'sampled at temperature {t:g}'} ...",
         file=sys.stderr, flush=True)
   r = evaluate(model.config, params, model.tokenizer, env, system.agent_config(c), n=c.eval.n,
-               num_slots=c.eval.num_slots)
+               num_slots=c.eval.num_slots, greedy=t == 0, temperature=t or 1.0)
   levels = "".join(f"; {lv}: accuracy {x['accuracy']:.3f}, tool calls "
                    f"{x['tool_calls_per_trajectory']:.2f}"
                    for lv, x in r.get("by_level", {}).items())
@@ -84,6 +86,17 @@ def _table(stages: dict) -> dict:
       row[lv] = {"accuracy": x["accuracy"], "tool_calls": x["tool_calls_per_trajectory"]}
     out[name] = row
   return out
+
+
+def _print_table(table: dict, n: int, decoding: str) -> None:
+  """The before/after table on stderr: accuracy and tool calls per difficulty and stage."""
+  cols = [k for k in next(iter(table.values()))]
+  head = "".join(f"{c + ' acc':>12}{c + ' calls':>13}" for c in cols)
+  lines = [f"held-out, {decoding}, n={n}", f"{'':8}{head}"]
+  for stage, row in table.items():
+    lines.append(f"{stage:8}" + "".join(f"{row[c]['accuracy']:>12.3f}{row[c]['tool_calls']:>13.2f}"
+                                        for c in cols))
+  print("\n".join(lines), file=sys.stderr, flush=True)
 
 
 def main(argv):
@@ -166,6 +179,7 @@ def main(argv):
                    heldout_accuracy_end=ev_end["accuracy"],
                    heldout_n=c.eval.n, heldout_tool_calls_end=ev_end["tool_calls_per_trajectory"],
                    heldout_table=_table(stages))
+    _print_table(summary["heldout_table"], c.eval.n, ev_end["decoding"])
   if warm is not None:
     summary["sft"] = {k: warm[k] for k in ("steps", "examples", "loss_first", "loss_last",
                                            "export", "wall_s")}

@@ -71,12 +71,13 @@ class LevelEngine:
   version = 0
 
   def __init__(self, tok, env, n):
-    self.tok = tok
+    self.tok, self.temperatures = tok, set()
     self.tasks = {env.task("test", k).prompt: (k, env.task("test", k)) for k in range(n)}
 
   def generate(self, requests, should_abort=None):
     out = []
     for r in requests:
+      self.temperatures.add(r.temperature)
       text = self.tok.decode(r.prompt_ids)
       k, t = next(v for p, v in self.tasks.items() if p in text)
       if t.meta["level"] == "easy":
@@ -95,8 +96,10 @@ def test_accuracy_and_tool_calls_per_level_match_hand_count(tmp_path):
   tok = Tokenizer.byte_level()
   env = envs.make("tool_arithmetic", tool_cost=0.1)
   n = 8  # items 0, 2, 4, 6 easy; 1, 3, 5, 7 hard, of which 1 and 5 are answered right
+  engine = LevelEngine(tok, env, n)
   r = evaluate(None, None, tok, env, AgentConfig(max_turns=3, max_total_tokens=4096), n=n,
-               engine=LevelEngine(tok, env, n))
+               engine=engine, greedy=False, temperature=0.7)
+  assert engine.temperatures == {0.7} and r["decoding"] == "temperature 0.7"
   assert r["by_level"] == {
       "easy": {"n": 4, "accuracy": 1.0, "tool_calls_per_trajectory": 0.0},
       "hard": {"n": 4, "accuracy": 0.5, "tool_calls_per_trajectory": 1.0}}

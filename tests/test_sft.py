@@ -157,7 +157,7 @@ def test_tool_arithmetic_levels_and_splits():
   for t in test:
     a, b = t.meta["a"], t.meta["b"]
     if t.meta["level"] == "easy":
-      assert 1 <= a <= 9 and 1 <= b <= 9 and t.answer == a + b
+      assert 1 <= a <= 9 and 1 <= b <= 9 and t.answer == a + b <= 9
     else:
       assert 100 <= a <= 999 and 10 <= b <= 99 and t.answer == a * b
 
@@ -181,15 +181,18 @@ def _tiny_config(tmp_path, steps=4):
   return c
 
 
-def test_sft_loss_is_the_mean_nll_of_assistant_tokens(tmp_path):
+@pytest.mark.parametrize("reduction", ["token_mean", "sample_mean"])
+def test_sft_loss_is_the_mean_nll_of_assistant_tokens(tmp_path, reduction):
   c = _tiny_config(tmp_path)
+  c.sft.reduction = reduction
   model = registry.load("tiny-chat")
   env = envs.make("tool_arithmetic")
   convs = sft.demonstrations(env, 4, seed=3)
   recs = [sft.render(model.tokenizer, m, "chatml", f"c{i}") for i, m in enumerate(convs)]
   assert {r.num_tool_calls for r in recs} == {0, 1}  # both kinds in the batch
   # Independent: each conversation alone, unpacked, through the forward pass and a NumPy
-  # log-softmax; the loss is the mean over conversations of the mean NLL of their targets.
+  # log-softmax; the loss is the mean NLL over all assistant tokens (token_mean) or the mean
+  # over conversations of each one's mean (sample_mean).
   nll = []
   for r in recs:
     ids = np.concatenate([r.prompt_tokens, r.completion_tokens])
@@ -199,10 +202,12 @@ def test_sft_loss_is_the_mean_nll_of_assistant_tokens(tmp_path):
     logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
     lp = logits[np.arange(len(ids) - 1), ids[1:]] - logz
     mask = np.concatenate([np.zeros(len(r.prompt_tokens) - 1, bool), r.action_mask])
-    nll.append(-lp[mask].mean())
+    nll.append(-lp[mask])
+  want = (np.concatenate(nll).mean() if reduction == "token_mean"
+          else np.mean([x.mean() for x in nll]))
   learner = Learner(learner_config(c), model=model)
   m = learner.update(recs)
-  assert m["loss"] == pytest.approx(float(np.mean(nll)), rel=1e-5)
+  assert m["loss"] == pytest.approx(float(want), rel=1e-5)
   assert m["ratio_mean"] == pytest.approx(1.0) and m["acceptance_rate"] == 1.0
   learner.close()
 

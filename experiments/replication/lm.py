@@ -7,7 +7,8 @@ with the `cpu_agent` config), computed once and shared by every arm and seed, so
 only in the advantage. RL is the production learner (the cpu_agent config's objective,
 optimiser and packing) on rollouts of the real agent loop and embedded engine, sampled at an
 exact policy lag (`driver.rl_loop`). Seeds change the prompts' order and the sampling.
-Held-out evaluations are greedy on the test split's first `eval_n` items, per difficulty.
+Held-out evaluations are the demo's: one sample per item at the training temperature (fixed
+seeds), on the test split's first `eval_n` items, per difficulty.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class LMSetting:
 
   config: str = "cpu_agent"  # experiments/configs/<config>.py
   advantage: str = "batch_centered"
-  updates: int = 24
+  updates: int = 20
   batch_size: int = 16
   lag: int = 0
   eval_n: int = 100
@@ -64,13 +65,23 @@ def _levels(r: dict) -> dict:
   return out
 
 
+def _evaluate(c, s: LMSetting, model, params, env) -> dict:
+  """The config's held-out evaluation (the agent demo's: one sample per item at
+  eval.temperature, fixed seeds) on the first eval_n test items."""
+  from fr_jax import system
+  from fr_jax.evaluate import evaluate
+  t = c.eval.temperature
+  return evaluate(model.config, params, model.tokenizer, env, system.agent_config(c),
+                  n=s.eval_n, num_slots=c.eval.num_slots, greedy=t == 0,
+                  temperature=t or 1.0)
+
+
 def warm_model(s: LMSetting, log=None):
   """The shared warm start: (model with the SFT parameters, greedy held-out evaluation of it),
   cached under driver.CACHE_DIR (or computed in a temporary folder)."""
   import tempfile
 
   from fr_jax import envs, system
-  from fr_jax.evaluate import evaluate
   from launch.sft import warm_start
   c = s.run_config(0)
   key = f"lm-{s.config}"
@@ -83,13 +94,12 @@ def warm_model(s: LMSetting, log=None):
     log(f"  warm start: {c.sft.steps} SFT steps in {out}")
   w = warm_start(c, model, str(out), progress=False)
   model = dataclasses.replace(model, params=w.pop("params"))
-  path = out / f"eval_start_n{s.eval_n}.json"
+  path = out / f"eval_start_n{s.eval_n}_t{c.eval.temperature:g}.json"
   if path.exists():
     ev = json.loads(path.read_text())
   else:
     env = envs.make(c.env.name, **c.env.kwargs.to_dict())
-    ev = evaluate(model.config, model.params, model.tokenizer, env, system.agent_config(c),
-                  n=s.eval_n, num_slots=c.eval.num_slots)
+    ev = _evaluate(c, s, model, model.params, env)
     path.write_text(json.dumps(ev))
   driver._WARM[key] = (model, ev, {k: w[k] for k in ("steps", "loss_last")})
   return driver._WARM[key]
@@ -97,7 +107,6 @@ def warm_model(s: LMSetting, log=None):
 
 def run(s: LMSetting, seed: int, *, log: Optional[Callable[[str], None]] = None) -> dict:
   from fr_jax import envs, system
-  from fr_jax.evaluate import evaluate
   from fr_jax.learner.learner import Learner
   from fr_jax.rollout.agent import AgentLoop
   from fr_jax.rollout.embedded import EmbeddedEngine
@@ -113,8 +122,7 @@ def run(s: LMSetting, seed: int, *, log: Optional[Callable[[str], None]] = None)
   r = driver.rl_loop(learner, engine, loop, env, updates=s.updates, lag=s.lag,
                      batch_size=s.batch_size, seed=seed,
                      params0=jax.device_get(model.params), log=log)
-  ev_end = evaluate(model.config, learner.params, model.tokenizer, env, agent, n=s.eval_n,
-                    num_slots=c.eval.num_slots)
+  ev_end = _evaluate(c, s, model, learner.params, env)
   learner.close()
   return dict(seed=seed, warm_start=warm, start=_levels(ev_start), end=_levels(ev_end), **r,
               wall_s=round(time.perf_counter() - t0, 2))

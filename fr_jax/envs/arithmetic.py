@@ -140,15 +140,17 @@ LEVELS = ("easy", "hard")
 
 @dataclasses.dataclass
 class ToolArithmetic:
-  """When is the tool worth its price? Easy items (1-digit + 1-digit: a model answers them
-  directly) and hard items (3-digit x 2-digit: about 0% without the tool), with the Python
-  tool offered at `tool_cost` reward per call. The reward is 1 for a correct final answer
+  """When is the tool worth its price? Easy items (1-digit + 1-digit with a 1-digit sum: a
+  model answers them directly) and hard items (3-digit x 2-digit: about 0% without the
+  tool), with the Python tool offered at `tool_cost` reward per call. The reward is 1 for a correct final answer
   minus `tool_cost` per call (the agent loop charges it, `Env.tool_cost`), so the best
   policy calls the tool on hard items and answers easy ones directly.
 
   Each item is phrased one of six ways (two are word problems with a name), so the held-out
-  split is disjoint in wording from training; easy items cover only the 81 one-digit sums,
-  so a held-out easy item asks a fact that training items ask in other words. `task.meta`
+  split is disjoint in wording from training; easy items cover only the 36 sums of two
+  digits 1-9 below 10, so a held-out easy item asks a fact that training items ask in other
+  words. (Sums up to 18 were tried first: SmolLM2-135M answered 37 of the 81 right, greedy,
+  so for it the tool beat a direct answer on easy items too.) `task.meta`
   holds the item's `level`, which evaluations group by. `demonstration()` writes the SFT
   warm start's conversations (`launch.sft`)."""
 
@@ -156,7 +158,7 @@ class ToolArithmetic:
   tool_cost: float = 0.1
   seed: int = 0
   train_size: int = 100_000
-  test_size: int = 200
+  test_size: int = 100
   tools: tuple = ("python",)
   name: str = "tool_arithmetic"
   interactive: bool = False
@@ -181,7 +183,8 @@ class ToolArithmetic:
     if hard:
       a, b, op, texts = int(rng.integers(100, 1000)), int(rng.integers(10, 100)), "*", _HARD_TEXT
     else:
-      a, b, op, texts = int(rng.integers(1, 10)), int(rng.integers(1, 10)), "+", _EASY_TEXT
+      a = int(rng.integers(1, 9))
+      a, b, op, texts = a, int(rng.integers(1, 10 - a)), "+", _EASY_TEXT
     k = int(rng.integers(len(texts)))
     name = _NAMES[int(rng.integers(len(_NAMES)))] if "{name}" in texts[k] else ""
     level = LEVELS[int(hard)]

@@ -67,6 +67,24 @@ def check_client_tls(flag_values) -> None:
       fail(f"--{flag} {path}: not a readable file")
 
 
+def stop_on_interrupt():
+  """An Event that the first Ctrl-C sets (the run stops after its current step, with a
+  checkpoint); a second Ctrl-C aborts."""
+  import signal
+  import threading
+  stop = threading.Event()
+
+  def interrupt(*_):
+    if stop.is_set():
+      raise KeyboardInterrupt
+    print("\nstopping after this step (a checkpoint will be saved); Ctrl-C again to abort",
+          file=sys.stderr, flush=True)
+    stop.set()
+
+  signal.signal(signal.SIGINT, interrupt)
+  return stop
+
+
 def load_model(c):
   from fr_jax import system
   from fr_jax.models import registry

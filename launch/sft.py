@@ -22,9 +22,7 @@ stdout line is the summary as JSON.
 import copy
 import json
 import os
-import signal
 import sys
-import threading
 import time
 
 from launch import common
@@ -129,16 +127,7 @@ def main(argv):
   if model.tokenizer is None:
     common.fail(f"model {c.model.name!r} has no tokenizer; SFT renders text")
   from fr_jax.sft import SFTDataError
-  stop = threading.Event()
-
-  def interrupt(*_):
-    if stop.is_set():
-      raise KeyboardInterrupt
-    print("\nstopping after this step (a checkpoint will be saved); Ctrl-C again to abort",
-          file=sys.stderr, flush=True)
-    stop.set()
-
-  signal.signal(signal.SIGINT, interrupt)
+  stop = common.stop_on_interrupt()
   try:
     summary = warm_start(c, model, c.run_dir, stop=stop)
   except (SFTDataError, FileNotFoundError) as e:

@@ -21,9 +21,7 @@ summary as JSON. Bad flags or configs exit with status 2 and a one-line message.
 import dataclasses
 import json
 import os
-import signal
 import sys
-import threading
 import time
 
 from launch import common
@@ -116,16 +114,7 @@ def main(argv):
   t0 = time.time()
   run = c.run_dir
   path = lambda name: os.path.join(run, name)  # noqa: E731
-  stop = threading.Event()
-
-  def interrupt(*_):
-    if stop.is_set():
-      raise KeyboardInterrupt
-    print("\nstopping after this step (a checkpoint will be saved); Ctrl-C again to abort",
-          file=sys.stderr, flush=True)
-    stop.set()
-
-  signal.signal(signal.SIGINT, interrupt)
+  stop = common.stop_on_interrupt()
   evals = Evals(c, model) if (c.eval.n and run) else None
   if run:
     os.makedirs(run, exist_ok=True)

@@ -137,7 +137,7 @@ COMPARISONS["tool_use_lm"] = Comparison(
            "3.30 vs 0.00 tool calls"),
      Claim("end.hard_accuracy", "signed", "positive_only", True, "(the tool's items)")),
     note="SmolLM2-135M-Instruct after the agent demo's supervised warm start (shared by "
-         "every run); RL at policy lag 0 with the cpu_agent recipe.")
+         "every run); 8 updates of 16 rollouts at policy lag 0 with the cpu_agent recipe.")
 SLOW = ("tool_use_lm",)
 
 FAST = Comparison(

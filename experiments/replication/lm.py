@@ -35,7 +35,7 @@ class LMSetting:
 
   config: str = "cpu_agent"  # experiments/configs/<config>.py
   advantage: str = "batch_centered"
-  updates: int = 12
+  updates: int = 8
   batch_size: int = 16
   lag: int = 0
   eval_n: int = 100

@@ -127,7 +127,7 @@ from experiments.replication.lm import LMSetting  # noqa: E402
 COMPARISONS["tool_use_lm"] = Comparison(
     "tool_use_lm", "8. tool use on SmolLM2-135M: signed vs positive-only, from one SFT start",
     "tool_arithmetic: easy 1-digit sums and hard 3-digit x 2-digit products, 0.1 reward per "
-    "tool call; held-out evaluation of 100 items sampled at T=1, per difficulty",
+    "tool call; held-out evaluation of 50 items sampled at T=1, per difficulty",
     "tool use, 7B: 36.2 mean, 3.30 tool calls (signed) vs 9.8, 0.00 (positive-only)",
     {"signed": LMSetting(), "positive_only": LMSetting(advantage="positive_only")},
     ("end.accuracy", "end.hard_accuracy", "end.easy_accuracy", "end.tool_calls_per_trajectory",
@@ -137,7 +137,7 @@ COMPARISONS["tool_use_lm"] = Comparison(
            "3.30 vs 0.00 tool calls"),
      Claim("end.hard_accuracy", "signed", "positive_only", True, "(the tool's items)")),
     note="SmolLM2-135M-Instruct after the agent demo's supervised warm start (shared by "
-         "every run); 8 updates of 16 rollouts at policy lag 0 with the cpu_agent recipe.")
+         "every run); 6 updates of 16 rollouts at policy lag 0 with the cpu_agent recipe.")
 SLOW = ("tool_use_lm",)
 
 FAST = Comparison(

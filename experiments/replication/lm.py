@@ -35,10 +35,10 @@ class LMSetting:
 
   config: str = "cpu_agent"  # experiments/configs/<config>.py
   advantage: str = "batch_centered"
-  updates: int = 8
+  updates: int = 6
   batch_size: int = 16
   lag: int = 0
-  eval_n: int = 100
+  eval_n: int = 50
   minibatches: int = 1  # (the runner's log line reads these)
   group_size: int = 1
 

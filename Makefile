@@ -18,7 +18,7 @@ REPLICATION_DIR ?= runs/replication
 help:
 	@echo "make demo      install .venv if needed, train SmolLM2-135M on arithmetic (~20 min, CPU)"
 	@echo "make demo-agent  SmolLM2 learns when to call the Python tool: SFT warm start, then"
-	@echo "               FlashREINFORCE, evaluated per difficulty (~30 min, CPU)"
+	@echo "               FlashREINFORCE, evaluated per difficulty (~40 min, CPU)"
 	@echo "make test      install .venv if needed, run the fast test suite (not marked slow)"
 	@echo "make test-all  run every test, slow ones included"
 	@echo "make bench     run the benchmarks in experiments/benchmarks/ (JSON lines)"

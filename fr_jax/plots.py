@@ -67,7 +67,7 @@ def _held_out_panel(ax, rows, key, title):
                                    else base).get(key)
     if b is not None:
       ax.plot([0], [b], "o", mfc="none", color=color, ms=9, label=f"{lv}, base model")
-  ax.set_title(f"held-out {title} (greedy, n={n})")
+  ax.set_title(f"held-out {title} ({rows[0].get('decoding', 'greedy')}, n={n})", fontsize=10)
   ax.legend(fontsize=8)
 
 

@@ -15,7 +15,10 @@ The best policy calls the tool on hard items only. run_dir/plot.png shows the cu
 last stdout line holds the before/after table.
 
 Hardware: a laptop-class CPU; 2 cores suffice. Nothing is downloaded. Expected time on 2 cores:
-TIME_TBD.
+about 37 minutes (base evaluation ~2 min, warm start ~9.5 min, its evaluation ~2.5 min, 20
+updates at ~45 s and three evaluations of ~2.5 min). Measured (README): held-out hard-item
+accuracy 0.66 after the warm start -> 0.98 after RL; tool calls on easy items 0.54 -> 0.98
+(RL did not learn to skip the tool there).
 """
 
 from fr_jax import config as rcfg
@@ -41,7 +44,9 @@ def get_config():
   c.sft.checkpoint_every = 20
   # FlashREINFORCE
   c.batch_size = 16
-  c.max_updates = 30
+  # 20 updates on a schedule planned for 30: the measured run (README) was planned for 30
+  # and stopped at 20 for time; held-out figures had settled by update 10.
+  c.max_updates = 20
   c.optim.lr = 2e-5
   c.optim.warmup_frac = 0.0
   c.optim.min_lr_ratio = 0.5

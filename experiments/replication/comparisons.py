@@ -126,7 +126,7 @@ from experiments.replication.lm import LMSetting  # noqa: E402
 
 COMPARISONS["tool_use_lm"] = Comparison(
     "tool_use_lm", "8. tool use on SmolLM2-135M: signed vs positive-only, from one SFT start",
-    "tool_arithmetic: easy 1-digit sums and hard 3-digit x 2-digit products, 0.1 reward per "
+    "tool_arithmetic: easy 1-digit sums and hard 3-digit x 2-digit products, 0.2 reward per "
     "tool call; held-out evaluation of 50 items sampled at T=1, per difficulty",
     "tool use, 7B: 36.2 mean, 3.30 tool calls (signed) vs 9.8, 0.00 (positive-only)",
     {"signed": LMSetting(), "positive_only": LMSetting(advantage="positive_only")},

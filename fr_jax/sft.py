@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Iterable
 
 import numpy as np
 
@@ -161,14 +161,3 @@ def batch_indices(num_examples: int, batch_size: int, step: int, seed: int = 0) 
       perms[epoch] = np.random.default_rng([seed, epoch]).permutation(num_examples)
     out.append(perms[epoch][k])
   return np.asarray(out)
-
-
-def load_conversations(path: Optional[str], env=None, n: int = 0, *, seed: int = 0,
-                       tool_fraction: float = 0.5) -> list:
-  """From `path` if given, else `n` generated demonstrations of `env`."""
-  if path:
-    return read_jsonl(path)
-  if env is None or n < 1:
-    raise SFTDataError("no SFT data: set sft.data=FILE.jsonl, or sft.examples > 0 with an env "
-                       "that writes demonstrations")
-  return demonstrations(env, n, seed=seed, tool_fraction=tool_fraction)

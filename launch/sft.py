@@ -58,8 +58,8 @@ def warm_start(c, model, out_dir: str, *, stop=None, progress: bool = True,
     data = os.path.join(out_dir, "sft_data.jsonl")
     if not os.path.exists(data):
       env = envs.make(c.env.name, **c.env.kwargs.to_dict())
-      sft.write_jsonl(data, sft.load_conversations(
-          None, env, c.sft.examples, seed=c.sft.seed, tool_fraction=c.sft.tool_fraction))
+      sft.write_jsonl(data, sft.demonstrations(env, c.sft.examples, seed=c.sft.seed,
+                                               tool_fraction=c.sft.tool_fraction))
   convs = sft.read_jsonl(data)
   records = [sft.render(model.tokenizer, m, c.agent.template, f"sft:{i}")
              for i, m in enumerate(convs)]

@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 TEST_JOBS ?= 2   # pytest-xdist processes (test files are kept whole per process)
 
-.PHONY: demo demo-agent test test-all bench smoke chaos sandbox-check replication proto venv clean-venv help \
+.PHONY: demo demo-agent test test-all bench bench-peers smoke chaos sandbox-check replication proto venv clean-venv help \
         device-check device-wheels device-fixtures tpu-tools
 
 DEMO_DIR ?= runs/demo
@@ -22,6 +22,7 @@ help:
 	@echo "make test      install .venv if needed, run the fast test suite (not marked slow)"
 	@echo "make test-all  run every test, slow ones included"
 	@echo "make bench     run the benchmarks in experiments/benchmarks/ (JSON lines)"
+	@echo "make bench-peers  build llama-cpp-python into .venv (~4 min) for the rollout benchmark"
 	@echo "make smoke     learner + 2 worker processes over loopback gRPC, 5 updates (tiny model)"
 	@echo "make chaos     10 min of crashes, cuts, full disk, poison: lost and duplicated must be 0"
 	@echo "make sandbox-check  the tool sandbox's 25 escape attempts on this machine, as this user"
@@ -68,6 +69,9 @@ bench: $(STAMP)
 	$(VPY) -m experiments.benchmarks.sandbox
 	$(VPY) -m experiments.benchmarks.learner --cases=long --nolong_run
 	$(VPY) -m experiments.benchmarks.recipe_memory
+
+bench-peers: $(STAMP)
+	$(VPY) -m pip install --no-deps -r requirements-bench.txt
 
 # Exit 1 if any escape attempt got out; run it as the user your workers run as.
 sandbox-check: $(STAMP)

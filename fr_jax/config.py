@@ -40,7 +40,9 @@ def default_config() -> ml_collections.ConfigDict:
       sglang_url="",  # http://host:port of an SGLang server or gateway
       num_workers=1,  # launch.train: worker threads in this process
       inflight=8,  # episodes in flight per worker
-      num_slots=8,  # embedded engine: decode slots (continuous batching)
+      # embedded engine: decode slots (continuous batching). Keep >= inflight: each episode
+      # in flight then keeps its KV cache between turns (prefix reuse, docs/rollout.md).
+      num_slots=8,
       heartbeat_every_s=0.0,  # 0: every round
   ))
   c.eval = ml_collections.ConfigDict(dict(

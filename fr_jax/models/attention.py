@@ -90,7 +90,8 @@ def resolve(impl: str, query_len: int, packed: bool = True,
 
 def attend(q, k, v, vis: Visibility, cd, impl: str = "auto", packed: bool = True):
   """Attention of q [B, L, H, hd] over k/v [B, S, KVH, hd] as `vis` allows, by `impl`.
-  `packed`: `vis` is `packed_visibility` (q and k are the same rows)."""
+  `packed`: `vis` is `packed_visibility` (q and k are the same rows). KV caches go through
+  `attend_cache`."""
   path = resolve(impl, q.shape[1], packed)
   if path == "naive":
     return attention(q, k, v, dense_mask(vis), cd)
@@ -99,6 +100,40 @@ def attend(q, k, v, vis: Visibility, cd, impl: str = "auto", packed: bool = True
   if path == "splash_tpu":
     return splash_tpu_attention(q, k, v, vis.q_seg, cd)
   return flash_attention(q, k, v, vis.q_idx, vis.q_seg, vis.kv_seg, cd=cd)
+
+
+def attend_cache(q, k, v, positions, cd, impl: str = "auto", window=None):
+  """Queries q [B, T, H, hd] at `positions` [B, T] over one layer's KV cache, keys k
+  [B, KVH, hd, S] and values v [B, KVH, S, hd], each query seeing slots <= its position.
+  `window` (static): only slots below it are read (every position must be < window).
+
+  In these layouts both matmuls take their operands as stored (decode is memory-bound on
+  the cache: measured 1.45x faster than keys stored like values). Queries up to one block
+  (decode, short prefills) take this path; longer ones the flash kernel."""
+  if window is not None and window < v.shape[2]:
+    k, v = k[..., :window], v[:, :, :window]
+  B, T, H, hd = q.shape
+  kvh, S = v.shape[1], v.shape[2]
+  if resolve(impl, T, packed=False) != "naive":
+    vis = cache_visibility(positions, S)
+    return flash_attention(q, k.transpose(0, 3, 1, 2), v.transpose(0, 2, 1, 3), vis.q_idx,
+                           vis.q_seg, vis.kv_seg, cd=cd)
+  visible = jnp.arange(S)[None, None, :] <= jnp.asarray(positions)[:, :, None]  # [B, T, S]
+  if T == 1:  # decode: fused multiply-reduces, which also absorb the window's slice
+    qh = q.reshape(B, kvh, H // kvh, hd, 1).astype(cd)
+    scores = jnp.sum(qh * k.astype(cd)[:, :, None], axis=-2, dtype=F32) * (hd ** -0.5)
+    scores = jnp.where(visible[:, None], scores, _NEG)  # [B, KVH, G, S]
+    e = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
+    out = jnp.sum(e.astype(cd)[..., None] * v.astype(cd)[:, :, None], axis=-2, dtype=F32)
+    return (out / jnp.sum(e, axis=-1)[..., None]).reshape(B, 1, H, hd)
+  qh = q.reshape(B, T, kvh, H // kvh, hd)
+  scores = jnp.einsum("btkgd,bkds->bkgts", qh.astype(cd), k.astype(cd),
+                      preferred_element_type=F32) * (hd ** -0.5)
+  scores = jnp.where(visible[:, None, None], scores, _NEG)
+  e = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
+  out = jnp.einsum("bkgts,bksd->btkgd", e.astype(cd), v.astype(cd),
+                   preferred_element_type=F32)
+  return out / jnp.moveaxis(jnp.sum(e, axis=-1), (1, 2), (2, 3))[..., None]
 
 
 PALLAS_BLOCK = 128

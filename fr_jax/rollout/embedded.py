@@ -1,21 +1,43 @@
 """The embedded JAX engine: continuous batching over a fixed number of slots.
 
-A preallocated KV cache [layers, slots, max_len, kv_heads, head_dim] holds every live
-sequence. A new request is prefilled into a free slot (prompt padded to a power-of-two
-bucket, so prefill compiles once per bucket); then one jitted decode step advances all slots
-together (static shapes: it compiles once). When a sequence finishes, its slot takes the next
-waiting request. Sampling happens inside the decode step with a per-request key folded with
-the token index, so a request's tokens do not depend on what else is in the batch.
+A preallocated KV cache (`decoder.init_cache`: per layer, keys [slots, kv_heads, head_dim,
+max_len] and values [slots, kv_heads, max_len, head_dim]) holds every live sequence. A new
+request is prefilled into a free slot (prompt padded to a power-of-two bucket, so prefill
+compiles once per bucket); then one jitted decode step advances all slots together. Its
+attention reads only the first `window` cache slots, the smallest power of two (from 128, at
+most half of max_len; else all of it) past every live position, so a step costs about what
+the longest live sequence needs, not max_len; it compiles once per window (`warmup` compiles
+them all). When a sequence finishes, its slot takes the next waiting request. Sampling
+happens inside the decode step with a per-request key folded with the token index, so a
+request's tokens do not depend on what else is in the batch.
 
 Weights are arguments of the jitted functions, so `update_weights` swaps them between decode
 steps without recompiling; every token records the policy version that sampled it. The engine
 holds them in the decode layout (`decoder.decode_layout`: one buffer per layer), which keeps
 per-step weight traffic to one read.
+
+Prefix reuse (multi-turn KV reuse). A slot keeps its KV entries after its request finishes,
+with the token ids they hold (the prompt and every generated token but the last, which was
+never fed). A new request whose prompt starts with a slot's tokens (the next turn of the same
+episode: the earlier turns, then the tool response or observation and the next header)
+takes that slot and prefills only the appended tokens, at their true positions. The entries
+past the appended ones are stale but invisible: a query sees only cache positions <= its own,
+and decoding overwrites them in order. Only entries computed under the current weights are
+reused (`update_weights` retires every slot's prefix), so a reused prefix gives the
+log-probs a full re-prefill would, up to float rounding.
+
+Eviction is bounded by the slots themselves (num_slots sequences of max_len): a request takes,
+in order of preference, (1) the free slot holding the longest prefix of its prompt, (2) an
+empty slot, (3) the least recently used free slot, whose common prefix with the prompt (a
+shared system prompt, say) is still reused. Give the engine at least as many slots as
+episodes in flight, or episodes evict each other between turns. Idle slots' entries are
+never written: a decode step aims idle rows past the cache's end, where writes are dropped.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import time
 from typing import Callable, Optional, Sequence
@@ -36,27 +58,57 @@ def _keys(seeds, counters):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def _prefill_slot(params, cfg: ModelConfig, cache, slot, tokens, length, seed, temp, top_p):
-  """Prefills one slot with tokens [1, Pb] (true length `length`) and samples token 0."""
-  sub = {k: jax.lax.dynamic_slice_in_dim(v, slot, 1, axis=1) for k, v in cache.items()}
-  positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+def _prefill_slot(params, cfg: ModelConfig, cache, slot, tokens, start, length, seed, temp,
+                  top_p):
+  """Writes tokens [1, Tb] (true length `length`) into one slot at positions start.. and
+  samples the token after them (token 0 of the completion). Entries the slot holds below
+  `start` are the reused prefix."""
+  sub = jax.tree.map(lambda c: jax.lax.dynamic_slice_in_dim(c, slot, 1, axis=0), cache)
+  positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
   h, sub = decoder.forward(params, cfg, tokens, positions, cache=sub)
   last = jax.lax.dynamic_index_in_dim(h[0], length - 1, axis=0, keepdims=True)
   logits = decoder.logits_from_hidden(params, cfg, last)
   tok, lp = sampling.sample(logits, _keys(seed[None], jnp.zeros((1,), jnp.uint32)),
                             temp[None], top_p[None])
-  cache = {k: jax.lax.dynamic_update_slice_in_dim(cache[k], sub[k], slot, axis=1)
-           for k in cache}
+  cache = jax.tree.map(lambda c, u: jax.lax.dynamic_update_slice_in_dim(c, u, slot, axis=0),
+                       cache, sub)
   return tok[0], lp[0], cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def _decode(params, cfg: ModelConfig, cache, tokens, positions, seeds, counters, temps, top_ps):
-  """One token for every slot: tokens [S] at positions [S] -> (next [S], logp [S], cache)."""
-  h, cache = decoder.forward(params, cfg, tokens[:, None], positions[:, None], cache=cache)
+@functools.partial(jax.jit, static_argnames=("cfg", "window"), donate_argnames=("cache",))
+def _decode(params, cfg: ModelConfig, cache, tokens, positions, seeds, counters, temps, top_ps,
+            window: int):
+  """One token for every slot: tokens [S] at positions [S] -> (next [S], logp [S], cache).
+  Attention reads the first `window` cache slots (every live position is below it)."""
+  h, cache = decoder.forward(params, cfg, tokens[:, None], positions[:, None], cache=cache,
+                             window=window)
   logits = decoder.logits_from_hidden(params, cfg, h[:, 0])
   toks, lps = sampling.sample(logits, _keys(seeds, counters), temps, top_ps)
   return toks, lps, cache
+
+
+@dataclasses.dataclass
+class _Resident:
+  """What a slot's cache holds: KV entries for `tokens` at positions 0.., computed under
+  weights epoch `epoch`, last used at scheduler tick `used`."""
+  tokens: list = dataclasses.field(default_factory=list)
+  epoch: int = -1
+  used: int = 0
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+  n = min(len(a), len(b))
+  if list(a[:n]) == list(b[:n]):  # the usual case (the next turn), at C speed
+    return n
+  return next(i for i in range(n) if a[i] != b[i])
+
+
+def _powers_of_two(lo: int, hi: int) -> list[int]:
+  out, b = [], lo
+  while b < hi:
+    out.append(b)
+    b *= 2
+  return out + [hi]
 
 
 class _Slot:
@@ -71,7 +123,8 @@ class EmbeddedEngine:
   """Continuous-batching sampler for one model on this process's devices."""
 
   def __init__(self, cfg: ModelConfig, params, *, tokenizer=None, num_slots: int = 8,
-               max_len: int = 1024, version: int = 0, min_bucket: int = 16):
+               max_len: int = 1024, version: int = 0, min_bucket: int = 16,
+               min_window: int = 128, prefix_reuse: bool = True):
     if num_slots < 1 or max_len < 2:
       raise ValueError(f"num_slots={num_slots} and max_len={max_len} must be >= 1 and >= 2")
     self.cfg = cfg
@@ -80,30 +133,75 @@ class EmbeddedEngine:
     self.num_slots = num_slots
     self.max_len = max_len
     self.version = version
-    self.buckets = []
-    b = min_bucket
-    while b < max_len:
-      self.buckets.append(b)
-      b *= 2
-    self.buckets.append(max_len)
+    self.buckets = _powers_of_two(min_bucket, max_len)  # prefill lengths
+    # Decode attention spans. Reading a window copies it out of the cache, so one pays only
+    # up to half the cache; past that the step reads the whole cache.
+    self.windows = [w for w in _powers_of_two(min_window, max_len)
+                    if 2 * w <= max_len or w == max_len]
     self.cache = decoder.init_cache(cfg, num_slots, max_len)
+    self.prefix_reuse = prefix_reuse
+    self._resident = [_Resident() for _ in range(num_slots)]
+    self._epoch = 0  # bumped by every weight swap: older entries are never reused
+    self._tick = 0
+    self.stats = collections.Counter()  # prefill_tokens, reused_tokens, evictions, requests
 
   # --- weights ---
   def update_weights(self, params, version: int) -> None:
     """New parameters (same shapes and dtypes) for every token sampled from now on."""
     self.params = decoder.decode_layout(params)
     self.version = int(version)
+    self._epoch += 1
 
   @property
   def compile_counts(self) -> dict:
     return {"prefill": _prefill_slot._cache_size(), "decode": _decode._cache_size()}
 
-  # --- generation ---
-  def _bucket(self, n: int) -> int:
+  def warmup(self) -> None:
+    """Compiles every prefill bucket and decode window now, so that generation never
+    compiles. Writes nothing a slot holds (every write lands past the cache's end)."""
+    end, one = jnp.int32(self.max_len), jnp.ones((), jnp.float32)
     for b in self.buckets:
+      _, _, self.cache = _prefill_slot(self.params, self.cfg, self.cache, jnp.int32(0),
+                                       jnp.zeros((1, b), jnp.int32), end, jnp.int32(1),
+                                       jnp.uint32(0), one, one)
+    S = self.num_slots
+    for w in self.windows:
+      _, _, self.cache = _decode(self.params, self.cfg, self.cache, np.zeros(S, np.int32),
+                                 np.full(S, self.max_len, np.int32), np.zeros(S, np.uint32),
+                                 np.zeros(S, np.uint32), np.ones(S, np.float32),
+                                 np.ones(S, np.float32), window=w)
+    jax.block_until_ready(self.cache)
+
+  # --- generation ---
+  def _bucket(self, n: int, sizes=None) -> int:
+    for b in sizes or self.buckets:
       if b >= n:
         return b
     raise ValueError(f"prompt of {n} tokens does not fit max_len={self.max_len}")
+
+  def _reusable(self, slot: int, prompt: Sequence[int]) -> int:
+    """How many leading prompt tokens slot `slot` holds valid entries for."""
+    r = self._resident[slot]
+    if not self.prefix_reuse or r.epoch != self._epoch or not r.tokens:
+      return 0
+    return _common_prefix(r.tokens, prompt)
+
+  def _pick_slot(self, req: Request, free: Sequence[int]) -> int:
+    """The slot for `req` among `free` slots (eviction policy in the module docstring)."""
+    if not self.prefix_reuse:
+      return free[0]
+    best, best_n = None, 0
+    for i in free:
+      n = self._reusable(i, req.prompt_ids)
+      if n and n == len(self._resident[i].tokens) and n > best_n:
+        best, best_n = i, n
+    if best is not None:
+      return best
+    empty = [i for i in free if not self._resident[i].tokens]
+    if empty:
+      return empty[0]
+    self.stats["evictions"] += 1
+    return min(free, key=lambda i: self._resident[i].used)
 
   def _start(self, slot: int, req: Request, t0: float) -> _Slot:
     req.check(self.cfg.vocab_size)
@@ -111,12 +209,19 @@ class EmbeddedEngine:
     if P >= self.max_len:
       raise ValueError(f"request {req.request_id!r}: prompt of {P} tokens leaves no room in "
                        f"max_len={self.max_len}")
-    Pb = self._bucket(P)
-    toks = np.zeros((1, Pb), np.int32)
-    toks[0, :P] = req.prompt_ids
+    start = min(self._reusable(slot, req.prompt_ids), P - 1)  # prefill at least one token
+    n = P - start
+    toks = np.zeros((1, self._bucket(n)), np.int32)
+    toks[0, :n] = req.prompt_ids[start:]
     tok, lp, self.cache = _prefill_slot(
-        self.params, self.cfg, self.cache, jnp.int32(slot), jnp.asarray(toks), jnp.int32(P),
-        jnp.uint32(req.seed), jnp.float32(req.temperature), jnp.float32(req.top_p))
+        self.params, self.cfg, self.cache, jnp.int32(slot), jnp.asarray(toks),
+        jnp.int32(start), jnp.int32(n), jnp.uint32(req.seed), jnp.float32(req.temperature),
+        jnp.float32(req.top_p))
+    self.stats["requests"] += 1
+    self.stats["prefill_tokens"] += n
+    self.stats["reused_tokens"] += start
+    # From here the slot holds the prompt; entries past it are stale until decoded over.
+    self._resident[slot] = _Resident(list(req.prompt_ids), self._epoch, self._tick)
     s = _Slot(req, t0)
     self._append(s, int(tok), float(lp))
     s.ttft = time.perf_counter() - t0
@@ -159,25 +264,30 @@ class EmbeddedEngine:
     S = self.num_slots
     while waiting or any(slots):
       if should_abort is not None and should_abort():
-        for s in slots:
+        for i, s in enumerate(slots):
           if s is not None:
+            self._retire(i, s)
             out[s.req.request_id] = self._done(s, "abort")
         for r in waiting:
           out[r.request_id] = Completion(r.request_id, [], [], "abort", [], len(r.prompt_ids))
         break
-      for i in range(S):
-        while slots[i] is None and waiting:
-          s = self._start(i, waiting.popleft(), t0)
-          reason = self._finished(s)
-          if reason:
-            out[s.req.request_id] = self._done(s, reason)
-          else:
-            slots[i] = s
+      self._tick += 1
+      while waiting and None in slots:
+        free = [i for i in range(S) if slots[i] is None]
+        req = waiting.popleft()
+        i = self._pick_slot(req, free)
+        s = self._start(i, req, t0)
+        reason = self._finished(s)
+        if reason:
+          self._retire(i, s)
+          out[s.req.request_id] = self._done(s, reason)
+        else:
+          slots[i] = s
       live = [i for i in range(S) if slots[i] is not None]
       if not live:
         continue
       tokens = np.zeros(S, np.int32)
-      positions = np.zeros(S, np.int32)
+      positions = np.full(S, self.max_len, np.int32)  # idle rows write past the end: dropped
       seeds = np.zeros(S, np.uint32)
       counters = np.zeros(S, np.uint32)
       temps = np.ones(S, np.float32)
@@ -187,8 +297,9 @@ class EmbeddedEngine:
         tokens[i], positions[i] = s.tokens[-1], s.pos
         seeds[i], counters[i] = s.req.seed, len(s.tokens)
         temps[i], top_ps[i] = s.req.temperature, s.req.top_p
+      window = self._bucket(int(positions[live].max()) + 1, self.windows)
       nxt, lps, self.cache = _decode(self.params, self.cfg, self.cache, tokens, positions, seeds,
-                                     counters, temps, top_ps)
+                                     counters, temps, top_ps, window=window)
       nxt, lps = np.asarray(nxt), np.asarray(lps)
       for i in live:
         s = slots[i]
@@ -196,6 +307,14 @@ class EmbeddedEngine:
         self._append(s, int(nxt[i]), float(lps[i]))
         reason = self._finished(s)
         if reason:
+          self._retire(i, s)
           out[s.req.request_id] = self._done(s, reason)
           slots[i] = None
     return sorted(out.values(), key=lambda c: order[c.request_id])
+
+  def _retire(self, slot: int, s: _Slot) -> None:
+    """Records what slot `slot` holds once `s` leaves it: its prompt and every generated
+    token but the last (never fed). After a swap during the request its epoch is stale."""
+    r = self._resident[slot]
+    r.tokens = list(s.req.prompt_ids) + s.tokens[:-1]
+    r.used = self._tick

@@ -51,9 +51,6 @@ from fr_jax.models.config import ModelConfig
 from fr_jax.rollout.engine import Completion, Request
 
 F32 = jnp.float32
-# Requests starting together whose new tokens fit this bucket are prefilled in one batch
-# (one pass over the weights instead of one per request: the next turn of every episode).
-BATCH_PREFILL_MAX_TOKENS = 128
 
 
 def _keys(seeds, counters):
@@ -61,20 +58,21 @@ def _keys(seeds, counters):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def _prefill(params, cfg: ModelConfig, cache, slots, tokens, starts, lengths, seeds, temps,
-             top_ps):
-  """Prefills n slots at once: row i writes tokens[i] [Tb] (true length lengths[i]) into slot
-  slots[i] at positions starts[i].. and samples the token after them (token 0 of its
-  completion). Entries a slot holds below its start are the reused prefix. Padding rows name
-  slot -1 past the end (num_slots): their reads are garbage and their writes are dropped."""
-  sub = jax.tree.map(lambda c: jnp.take(c, slots, axis=0, mode="fill", fill_value=0), cache)
-  positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+def _prefill_slot(params, cfg: ModelConfig, cache, slot, tokens, start, length, seed, temp,
+                  top_p):
+  """Writes tokens [1, Tb] (true length `length`) into one slot at positions start.. and
+  samples the token after them (token 0 of the completion). Entries the slot holds below
+  `start` are the reused prefix."""
+  sub = jax.tree.map(lambda c: jax.lax.dynamic_slice_in_dim(c, slot, 1, axis=0), cache)
+  positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
   h, sub = decoder.forward(params, cfg, tokens, positions, cache=sub)
-  last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]
+  last = jax.lax.dynamic_index_in_dim(h[0], length - 1, axis=0, keepdims=True)
   logits = decoder.logits_from_hidden(params, cfg, last)
-  tok, lp = sampling.sample(logits, _keys(seeds, jnp.zeros_like(seeds)), temps, top_ps)
-  cache = jax.tree.map(lambda c, u: c.at[slots].set(u, mode="drop"), cache, sub)
-  return tok, lp, cache
+  tok, lp = sampling.sample(logits, _keys(seed[None], jnp.zeros((1,), jnp.uint32)),
+                            temp[None], top_p[None])
+  cache = jax.tree.map(lambda c, u: jax.lax.dynamic_update_slice_in_dim(c, u, slot, axis=0),
+                       cache, sub)
+  return tok[0], lp[0], cache
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "window"), donate_argnames=("cache",))
@@ -156,22 +154,16 @@ class EmbeddedEngine:
 
   @property
   def compile_counts(self) -> dict:
-    return {"prefill": _prefill._cache_size(), "decode": _decode._cache_size()}
-
-  def _prefill_shapes(self):
-    """Every (rows, bucket) a prefill can have: one request of any bucket, and batches of
-    2, 4, ... num_slots requests whose new tokens fit BATCH_PREFILL_MAX_TOKENS."""
-    rows = _powers_of_two(2, self.num_slots) if self.num_slots > 1 else []
-    return ([(1, b) for b in self.buckets]
-            + [(n, b) for n in rows for b in self.buckets if b <= BATCH_PREFILL_MAX_TOKENS])
+    return {"prefill": _prefill_slot._cache_size(), "decode": _decode._cache_size()}
 
   def warmup(self) -> None:
-    """Compiles every prefill shape and decode window now, so that generation never
+    """Compiles every prefill bucket and decode window now, so that generation never
     compiles. Writes nothing a slot holds (every write lands past the cache's end)."""
-    for n, b in self._prefill_shapes():
-      self._run_prefill(np.full(n, self.num_slots, np.int32), np.zeros((n, b), np.int32),
-                        np.zeros(n, np.int32), np.ones(n, np.int32), np.zeros(n, np.uint32),
-                        np.ones(n, np.float32), np.ones(n, np.float32))
+    end, one = jnp.int32(self.max_len), jnp.ones((), jnp.float32)
+    for b in self.buckets:
+      _, _, self.cache = _prefill_slot(self.params, self.cfg, self.cache, jnp.int32(0),
+                                       jnp.zeros((1, b), jnp.int32), end, jnp.int32(1),
+                                       jnp.uint32(0), one, one)
     S = self.num_slots
     for w in self.windows:
       _, _, self.cache = _decode(self.params, self.cfg, self.cache, np.zeros(S, np.int32),
@@ -179,11 +171,6 @@ class EmbeddedEngine:
                                  np.zeros(S, np.uint32), np.ones(S, np.float32),
                                  np.ones(S, np.float32), window=w)
     jax.block_until_ready(self.cache)
-
-  def _run_prefill(self, slots, tokens, starts, lengths, seeds, temps, top_ps):
-    tok, lp, self.cache = _prefill(self.params, self.cfg, self.cache, slots, tokens, starts,
-                                   lengths, seeds, temps, top_ps)
-    return np.asarray(tok), np.asarray(lp)
 
   # --- generation ---
   def _bucket(self, n: int, sizes=None) -> int:
@@ -216,45 +203,29 @@ class EmbeddedEngine:
     self.stats["evictions"] += 1
     return min(free, key=lambda i: self._resident[i].used)
 
-  def _start(self, pairs: Sequence[tuple[int, Request]], t0: float) -> list[_Slot]:
-    """Prefills (slot, request) pairs: requests whose new tokens fit a short bucket in one
-    batch (padded to a power-of-two number of rows), longer ones one at a time."""
-    plans = []
-    for slot, req in pairs:
-      P = len(req.prompt_ids)
-      if P >= self.max_len:
-        raise ValueError(f"request {req.request_id!r}: prompt of {P} tokens leaves no room in "
-                         f"max_len={self.max_len}")
-      start = min(self._reusable(slot, req.prompt_ids), P - 1)  # prefill at least one token
-      plans.append((slot, req, start, P - start))
-    short = [x for x in plans if self._bucket(x[3]) <= BATCH_PREFILL_MAX_TOKENS]
-    if len(short) > 1:
-      groups = [short] + [[x] for x in plans if self._bucket(x[3]) > BATCH_PREFILL_MAX_TOKENS]
-    else:
-      groups = [[x] for x in plans]
-    started = {}
-    for g in groups:
-      n, b = self._bucket(len(g), _powers_of_two(1, self.num_slots)), self._bucket(
-          max(x[3] for x in g))
-      slots, starts = np.full(n, self.num_slots, np.int32), np.zeros(n, np.int32)
-      toks, lengths = np.zeros((n, b), np.int32), np.ones(n, np.int32)
-      seeds, temps, top_ps = np.zeros(n, np.uint32), np.ones(n, np.float32), np.ones(n, np.float32)
-      for i, (slot, req, start, k) in enumerate(g):
-        slots[i], starts[i], lengths[i] = slot, start, k
-        toks[i, :k] = req.prompt_ids[start:]
-        seeds[i], temps[i], top_ps[i] = req.seed, req.temperature, req.top_p
-      tok, lp = self._run_prefill(slots, toks, starts, lengths, seeds, temps, top_ps)
-      for i, (slot, req, start, k) in enumerate(g):
-        self.stats["requests"] += 1
-        self.stats["prefill_tokens"] += k
-        self.stats["reused_tokens"] += start
-        # The slot holds the prompt now; entries past it are stale until decoded over.
-        self._resident[slot] = _Resident(list(req.prompt_ids), self._epoch, self._tick)
-        s = _Slot(req, t0)
-        self._append(s, int(tok[i]), float(lp[i]))
-        s.ttft = time.perf_counter() - t0
-        started[slot] = s
-    return [started[slot] for slot, _ in pairs]
+  def _start(self, slot: int, req: Request, t0: float) -> _Slot:
+    req.check(self.cfg.vocab_size)
+    P = len(req.prompt_ids)
+    if P >= self.max_len:
+      raise ValueError(f"request {req.request_id!r}: prompt of {P} tokens leaves no room in "
+                       f"max_len={self.max_len}")
+    start = min(self._reusable(slot, req.prompt_ids), P - 1)  # prefill at least one token
+    n = P - start
+    toks = np.zeros((1, self._bucket(n)), np.int32)
+    toks[0, :n] = req.prompt_ids[start:]
+    tok, lp, self.cache = _prefill_slot(
+        self.params, self.cfg, self.cache, jnp.int32(slot), jnp.asarray(toks),
+        jnp.int32(start), jnp.int32(n), jnp.uint32(req.seed), jnp.float32(req.temperature),
+        jnp.float32(req.top_p))
+    self.stats["requests"] += 1
+    self.stats["prefill_tokens"] += n
+    self.stats["reused_tokens"] += start
+    # From here the slot holds the prompt; entries past it are stale until decoded over.
+    self._resident[slot] = _Resident(list(req.prompt_ids), self._epoch, self._tick)
+    s = _Slot(req, t0)
+    self._append(s, int(tok), float(lp))
+    s.ttft = time.perf_counter() - t0
+    return s
 
   def _append(self, s: _Slot, tok: int, lp: float):
     s.tokens.append(tok)
@@ -303,20 +274,15 @@ class EmbeddedEngine:
       self._tick += 1
       while waiting and None in slots:
         free = [i for i in range(S) if slots[i] is None]
-        pairs = []
-        while waiting and free:
-          req = waiting.popleft()
-          req.check(self.cfg.vocab_size)
-          i = self._pick_slot(req, free)
-          free.remove(i)
-          pairs.append((i, req))
-        for (i, _), s in zip(pairs, self._start(pairs, t0)):
-          reason = self._finished(s)
-          if reason:
-            self._retire(i, s)
-            out[s.req.request_id] = self._done(s, reason)
-          else:
-            slots[i] = s
+        req = waiting.popleft()
+        i = self._pick_slot(req, free)
+        s = self._start(i, req, t0)
+        reason = self._finished(s)
+        if reason:
+          self._retire(i, s)
+          out[s.req.request_id] = self._done(s, reason)
+        else:
+          slots[i] = s
       live = [i for i in range(S) if slots[i] is not None]
       if not live:
         continue

@@ -107,9 +107,11 @@ def attend_cache(q, k, v, positions, cd, impl: str = "auto", window=None):
   [B, KVH, hd, S] and values v [B, KVH, S, hd], each query seeing slots <= its position.
   `window` (static): only slots below it are read (every position must be < window).
 
-  In these layouts both matmuls take their operands as stored (decode is memory-bound on
-  the cache: measured 1.45x faster than keys stored like values). Queries up to one block
-  (decode, short prefills) take this path; longer ones the flash kernel."""
+  Decode (one query per row) is memory-bound on the cache: scores and outputs are fused
+  multiply-reduces that read each key and value once, vectorised along the stored minor axis
+  (SmolLM2 at batch 16, window 256: 163 ms per decode step, against 296 ms with the two
+  attention products as batched matmuls). Short prefills take the naive path, whose matmuls
+  take these layouts as stored; longer ones the flash kernel."""
   if window is not None and window < v.shape[2]:
     k, v = k[..., :window], v[:, :, :window]
   B, T, H, hd = q.shape

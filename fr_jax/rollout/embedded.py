@@ -128,6 +128,7 @@ class EmbeddedEngine:
     if num_slots < 1 or max_len < 2:
       raise ValueError(f"num_slots={num_slots} and max_len={max_len} must be >= 1 and >= 2")
     self.cfg = cfg
+    self._epoch = 0  # bumped by every weight swap: older entries are never reused
     self.params = decoder.decode_layout(params)
     self.tokenizer = tokenizer
     self.num_slots = num_slots
@@ -141,16 +142,25 @@ class EmbeddedEngine:
     self.cache = decoder.init_cache(cfg, num_slots, max_len)
     self.prefix_reuse = prefix_reuse
     self._resident = [_Resident() for _ in range(num_slots)]
-    self._epoch = 0  # bumped by every weight swap: older entries are never reused
     self._tick = 0
     self.stats = collections.Counter()  # prefill_tokens, reused_tokens, evictions, requests
 
   # --- weights ---
+  @property
+  def params(self):
+    """The weights in the decode layout. Setting them (here or through `update_weights`)
+    retires every slot's cached prefix: entries of other weights are never reused."""
+    return self._params
+
+  @params.setter
+  def params(self, value) -> None:
+    self._params = value
+    self._epoch += 1
+
   def update_weights(self, params, version: int) -> None:
     """New parameters (same shapes and dtypes) for every token sampled from now on."""
     self.params = decoder.decode_layout(params)
     self.version = int(version)
-    self._epoch += 1
 
   @property
   def compile_counts(self) -> dict:

@@ -88,6 +88,7 @@ def mismatch(m, reqs, outs):
 
 
 def case_generate(m, summary):
+  from fr_jax.models import registry
   from fr_jax.rollout.embedded import EmbeddedEngine
   from fr_jax.rollout.engine import Request
   rng = np.random.default_rng(0)
@@ -112,7 +113,7 @@ def case_generate(m, summary):
       import torch
       import transformers
       if peer is None:
-        p = registry_path()
+        p = registry.smollm2_gguf_path()
         peer = transformers.AutoModelForCausalLM.from_pretrained(
             p.parent, gguf_file=p.name, dtype=torch.float32).eval()
       L = max(len(p) for p in ps)
@@ -140,20 +141,17 @@ def case_generate(m, summary):
       summary["batch1_vs_llama_cpp"] = round(llama_cpp_generate(ps[0], N) / med, 2)
 
 
-def registry_path():
-  from fr_jax.models import registry
-  return registry.smollm2_gguf_path()
-
-
 def llama_cpp_generate(prompt, N):
   """llama.cpp on the bundled GGUF (its own Q4_1 weights), one stream of N sampled tokens
   from `prompt`, stop tokens ignored, with 1 thread (its default here) and with one thread
   per core. Emits a line per thread count; returns the best median wall time."""
   import os
   import llama_cpp
+  from fr_jax.models import registry
+  path = registry.smollm2_gguf_path()
   best = None
   for threads in sorted({1, os.cpu_count() or 1}):
-    llm = llama_cpp.Llama(model_path=str(registry_path()), n_ctx=len(prompt) + N + 8,
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=len(prompt) + N + 8,
                           n_batch=512, n_threads=threads, verbose=False)
 
     def run():
@@ -166,7 +164,7 @@ def llama_cpp_generate(prompt, N):
 
     run()  # warm-up
     med, ts = timed(run, F.repeats, warmup=0)
-    emit("generate", impl="llama.cpp", batch=1, new_tokens=N, gguf=registry_path().name,
+    emit("generate", impl="llama.cpp", batch=1, new_tokens=N, gguf=path.name,
          threads=threads, median_s=round(med, 3), all_s=[round(t, 3) for t in ts],
          tokens_per_s=round(N / med, 1), llama_cpp_python=llama_cpp.__version__)
     best = med if best is None else min(best, med)

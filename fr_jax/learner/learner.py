@@ -34,7 +34,7 @@ from fr_jax.learner import optim, step
 from fr_jax.learner.metrics import MetricsWriter
 from fr_jax.models import decoder, registry
 from fr_jax.models.attention import packed_visibility
-from fr_jax.models.hf_io import save_hf
+from fr_jax.models.hf_io import export_hf
 from fr_jax.packing import PackingSpec, pack
 from fr_jax.trajectory import Trajectory, validate
 
@@ -422,8 +422,7 @@ class Learner:
     """Writes the parameters (default: the current ones) as a HF safetensors directory
     (for SGLang)."""
     params = jax.device_get(self.state.params if params is None else params)
-    files = self.tokenizer.files() if self.tokenizer is not None else None
-    return str(save_hf(path, params, self.model_config, tokenizer_files=files))
+    return str(export_hf(path, params, self.model_config, self.tokenizer))
 
   def follow(self) -> None:
     """On a process other than 0: makes each learner call process 0 announces, until it

@@ -129,18 +129,21 @@ def params_from_hf_tensors(tensors: dict[str, np.ndarray], cfg: ModelConfig, sou
   return params
 
 
-def hf_tensors_from_params(params, cfg: ModelConfig) -> dict[str, np.ndarray]:
-  out = {}
+def iter_hf_tensors(params, cfg: ModelConfig):
+  """(HF name, NumPy array in HF layout) for each tensor, one at a time; linear weights are
+  transposed views, not copies, so a caller can convert and write them one by one."""
   for k, hf_name in _TOP_NAMES.items():
     if k in params:
-      out[hf_name] = np.asarray(params[k])
+      yield hf_name, np.asarray(params[k])
   for k, stacked in params["layers"].items():
     hf_name, tr = _LAYER_NAMES[k]
     stacked = np.asarray(stacked)
     for i in range(cfg.num_layers):
-      a = stacked[i]
-      out[f"model.layers.{i}.{hf_name}"] = np.ascontiguousarray(a.T if tr else a)
-  return out
+      yield f"model.layers.{i}.{hf_name}", (stacked[i].T if tr else stacked[i])
+
+
+def hf_tensors_from_params(params, cfg: ModelConfig) -> dict[str, np.ndarray]:
+  return {name: np.ascontiguousarray(a) for name, a in iter_hf_tensors(params, cfg)}
 
 
 def save_hf(path, params, cfg: ModelConfig, *, tokenizer_files: Optional[dict] = None,
@@ -184,6 +187,13 @@ def save_hf(path, params, cfg: ModelConfig, *, tokenizer_files: Optional[dict] =
   for name, text in (tokenizer_files or {}).items():
     _atomic(path / name, lambda p, t=text: Path(p).write_text(t))
   return path
+
+
+def export_hf(path, params, cfg: ModelConfig, tokenizer=None) -> Path:
+  """The one HF export (`Learner.export_hf`, `launch.export`): `save_hf` with the tokenizer's
+  files (a `fr_jax.models.tokenizer.Tokenizer`, or None for none) beside the weights."""
+  files = tokenizer.files() if tokenizer is not None else None
+  return save_hf(path, params, cfg, tokenizer_files=files)
 
 
 def _atomic(target: Path, write):

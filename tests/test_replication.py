@@ -16,15 +16,25 @@ from fr_jax.models.tokenizer import Tokenizer
 from fr_jax.rollout.agent import AgentLoop
 
 
+def test_t975_matches_printed_tables():
+  # t_{0.975, df} from printed Student-t tables (3 decimals), and the normal limit 1.960.
+  for df, t in [(1, 12.706), (2, 4.303), (4, 2.776), (10, 2.228), (30, 2.042), (120, 1.980)]:
+    assert stats.t975(df) == pytest.approx(t, abs=5e-4), df
+  assert stats.t975(10**7) == pytest.approx(1.960, abs=5e-4)
+  with pytest.raises(ValueError, match="df=0"):
+    stats.t975(0)
+
+
 def test_mean_ci_matches_hand_computation():
   ci = stats.mean_ci([1.0, 2.0, 3.0])
-  # mean 2, sample sd 1, t_{0.975,2} = 4.303 (tables): half-width 4.303 / sqrt(3).
+  # mean 2, sample sd 1, t_{0.975,2} = 4.303 (tables, 3 decimals): half-width 4.303 / sqrt(3).
   assert ci["mean"] == pytest.approx(2.0)
-  assert ci["half"] == pytest.approx(4.303 / math.sqrt(3))
-  assert ci["lo"] == pytest.approx(2.0 - 4.303 / math.sqrt(3))
+  assert ci["half"] == pytest.approx(4.303 / math.sqrt(3), abs=5e-4 / math.sqrt(3))
+  assert ci["lo"] == pytest.approx(2.0 - 4.303 / math.sqrt(3), abs=5e-4 / math.sqrt(3))
   x = np.array([0.31, 0.42, 0.35, 0.50])
   ci = stats.mean_ci(x)
-  assert ci["half"] == pytest.approx(3.182 * x.std(ddof=1) / 2.0)
+  sem = x.std(ddof=1) / 2.0
+  assert ci["half"] == pytest.approx(3.182 * sem, abs=5e-4 * sem)
   assert stats.mean_ci([5.0])["half"] == 0.0
   with pytest.raises(ValueError):
     stats.paired([1.0], [1.0, 2.0])

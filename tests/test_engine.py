@@ -92,6 +92,22 @@ def test_stop_tokens_and_limits(tiny):
     eng.generate([Request("e", [300], 3)])
 
 
+def mixed_cache_logprobs(old, new, cfg, prompt, out, n_old, temperature):
+  """Log-probs of out[n_old:] for a request whose weights changed after it sampled out[:n_old]:
+  the tokens fed before the swap (prompt + out[:n_old-1]) hold old-weight K/V, computed here
+  by the old weights in one chunk into a fresh cache; the new weights then run the remaining
+  fed tokens (out[n_old-1:-1]) over that cache in one chunk."""
+  fed_old = list(prompt) + list(out[:n_old - 1])
+  fed_new = list(out[n_old - 1:-1])
+  cache = decoder.init_cache(cfg, 1, len(fed_old) + len(fed_new))
+  _, cache = decoder.forward(old, cfg, np.array([fed_old]), np.arange(len(fed_old))[None],
+                             cache=cache)
+  h, _ = decoder.forward(new, cfg, np.array([fed_new]),
+                         len(fed_old) + np.arange(len(fed_new))[None], cache=cache)
+  z = np.asarray(decoder.logits_from_hidden(new, cfg, h), np.float64)[0] / temperature
+  return log_softmax(z, -1)[np.arange(len(fed_new)), out[n_old:]]
+
+
 def test_weights_swap_between_decode_steps(tiny):
   other = registry.load("tiny-qwen3", seed=22)
   eng = EmbeddedEngine(tiny.config, tiny.params, num_slots=2, max_len=64)
@@ -107,17 +123,28 @@ def test_weights_swap_between_decode_steps(tiny):
     return False
 
   c = eng.generate([r], should_abort=hook)[0]
+  # Step 1 prefills and decodes (tokens 0-1), steps 2-4 decode tokens 2-4 with the old
+  # weights; the swap comes before step 5.
   assert c.versions == [0] * 5 + [1] * 7
   assert eng.compile_counts == compiles
-  # Each token's log-prob is that of the weights that sampled it.
   lp0 = teacher_forced(tiny.params, tiny.config, r.prompt_ids, c.token_ids, 1.0)
-  lp1 = teacher_forced(other.params, other.config, r.prompt_ids, c.token_ids, 1.0)
   np.testing.assert_allclose(c.logprobs[:5], lp0[:5], atol=1e-4)
-  # After the swap the cache still holds keys/values of the old weights for earlier
-  # tokens (as in any engine that swaps weights mid-sequence); the new weights score the
-  # next token from that cache, so compare against the engine-consistent value only loosely.
-  assert not np.allclose(c.logprobs[5:], lp0[5:], atol=1e-3)
-  del lp1
+  # The request continues in place: the new weights decode over the slot's cache, whose
+  # entries for the prompt and tokens 0-3 the old weights wrote.
+  mixed = mixed_cache_logprobs(tiny.params, other.params, tiny.config, r.prompt_ids,
+                               c.token_ids, 5, 1.0)
+  np.testing.assert_allclose(c.logprobs[5:], mixed, atol=1e-4)
+  # That is not what a re-prefill by the new weights (SGLang's resume) gives.
+  lp1 = teacher_forced(other.params, other.config, r.prompt_ids, c.token_ids, 1.0)
+  assert np.abs(mixed - lp1[5:]).max() > 1e-2
+  # The slot's entries are old-weight ones, so the next turn reuses none of them.
+  before = dict(eng.stats)
+  nxt = r.prompt_ids + c.token_ids + [9, 2]
+  c2 = eng.generate([Request("s2", nxt, 4, seed=8)])[0]
+  assert eng.stats["reused_tokens"] == before["reused_tokens"]
+  assert eng.stats["prefill_tokens"] - before["prefill_tokens"] == len(nxt)
+  np.testing.assert_allclose(c2.logprobs, teacher_forced(other.params, other.config, nxt,
+                                                         c2.token_ids, 1.0), atol=1e-4)
 
 
 def test_abort_keeps_partial_tokens(tiny):

@@ -18,14 +18,48 @@ def test_all_recipes_are_present():
           "qwen25_7b_tool", "alfworld_like"} <= set(NAMES)
 
 
+# The figures each config's docstring states (quoted), read by hand, as (what the config
+# computes, the stated value); and the schedule length validate leaves in optim.total_steps
+# (max_updates, unless the config plans a longer schedule: cpu_agent stops at 20 of 30,
+# tiny_test at 5 of 100).
+DOCUMENTED = {
+    "alfworld_like": {"B=64": (lambda c: c.batch_size, 64),
+                      "200 steps": (lambda c: c.max_updates, 200),
+                      "12.8k trajectories": (lambda c: c.batch_size * c.max_updates, 12_800)},
+    "cpu_agent": {"20 updates": (lambda c: c.max_updates, 20),
+                  # base evaluation, then every eval.every updates through the last
+                  "three evaluations": (lambda c: 1 + c.max_updates // c.eval.every, 3)},
+    "cpu_default": {"48 updates": (lambda c: c.max_updates, 48),
+                    "200 test problems": (lambda c: c.eval.n, 200),
+                    "two held-out evaluations": (lambda c: c.eval.every, 0)},  # start and end
+    "qwen25_7b_tool": {"600 steps": (lambda c: c.max_updates, 600),
+                       "8+ GPUs for the learner (fsdp)": (lambda c: c.mesh.fsdp >= 8, True)},
+    "qwen25_math_1p5b": {"2000 steps": (lambda c: c.max_updates, 2000),
+                         "data=2 x fsdp=4": (lambda c: (c.mesh.data, c.mesh.fsdp), (2, 4)),
+                         "8 GPUs": (lambda c: c.mesh.data * c.mesh.fsdp, 8)},
+    "r1_distill_1p5b_longcot": {"6000 async updates": (lambda c: c.max_updates, 6000),
+                                "16k-token responses": (lambda c: c.agent.max_total_tokens,
+                                                        16 * 1024),
+                                "lag about 4": (lambda c: c.max_policy_lag, 4)},
+    "tiny_test": {"5 updates": (lambda c: c.max_updates, 5)},
+}
+SCHEDULE = {"alfworld_like": 200, "cpu_agent": 30, "cpu_default": 48, "qwen25_7b_tool": 600,
+            "qwen25_math_1p5b": 2000, "r1_distill_1p5b_longcot": 6000, "tiny_test": 100}
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_config_validates_and_documents_itself(name):
   mod = importlib.import_module(f"experiments.configs.{name}")
   doc = mod.__doc__ or ""
   assert "python -m launch." in doc or "make " in doc, "docstring must state the command"
   assert "Hardware" in doc and "time" in doc.lower()
+  assert name in DOCUMENTED, f"add {name}'s documented figures to DOCUMENTED"
   c = rcfg.validate(mod.get_config())
-  assert c.batch_size >= 1
+  words = " ".join(doc.split())
+  for figure, (computed, stated) in DOCUMENTED[name].items():
+    assert figure in words, f"{name}: the docstring no longer says {figure!r}"
+    assert computed(c) == stated, f"{name}: the docstring says {figure!r}"
+  assert c.optim.total_steps == SCHEDULE[name]
 
 
 def test_paper_recipe_numbers():

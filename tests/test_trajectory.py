@@ -79,16 +79,21 @@ def test_too_long_names_length_and_limit():
   validate(good(), max_length=8)  # the limit is inclusive
 
 
-@pytest.mark.parametrize("over", [
-    dict(prompt_tokens=np.array([], np.int32)),
-    dict(completion_tokens=np.array([10, -11, 50, 51, 12])),
-    dict(behavior_logp=np.array([[-0.5, -1.0, 0, 0, -0.1]])),
-    dict(action_mask=np.array([1, 1, 0, 0, 1])),
-    dict(reward="high"),
+# Each malformed field, with the one reason and the message validate gives it.
+@pytest.mark.parametrize("over,reason,message", [
+    (dict(prompt_tokens=np.array([], np.int32)), "bad_field", "prompt_tokens is empty"),
+    (dict(completion_tokens=np.array([10, -11, 50, 51, 12])), "bad_field",
+     "completion_tokens holds a negative value -11"),
+    (dict(behavior_logp=np.array([[-0.5, -1.0, 0, 0, -0.1]])), "bad_field",
+     r"behavior_logp must be 1-D, got shape \(1, 5\)"),
+    (dict(action_mask=np.array([1, 1, 0, 0, 1])), "bad_field", "action_mask must be bool"),
+    (dict(reward="high"), "nonfinite_reward", "reward 'high' is not a number"),
 ])
-def test_bad_fields(over):
-  reason = rejection_reason(good(**over))
-  assert reason in ("bad_field", "nonfinite_reward")
+def test_bad_fields(over, reason, message):
+  t = good(**over)
+  assert rejection_reason(t) == reason
+  with pytest.raises(TrajectoryError, match=message):
+    validate(t)
 
 
 def test_limits_against_the_model():

@@ -91,9 +91,18 @@ def test_gate_vector_by_hand():
   _, gt, at = _loss_and_grad(obj.flash_reinforce_loss, logp, blogp, rewards, mask,
                              delta=0.02, trust="token")
   assert at["token_acceptance_rate"] == pytest.approx(4 / 5)
-  rho_10 = 0.6 / 0.5
   np.testing.assert_allclose(gt[1], [0.0, -(1 / 3) * A[1] / 2], atol=1e-6)
-  assert rho_10 > 1  # (the gated token would have had this weight)
+  # Just above that token's d = 0.0204 it is admitted with its weight rho = 0.6 / 0.5; the
+  # other rows are as before. The NumPy reference agrees on both sides of the gate.
+  _, gu, au = _loss_and_grad(obj.flash_reinforce_loss, logp, blogp, rewards, mask,
+                             delta=0.021, trust="token")
+  assert au["token_acceptance_rate"] == 1.0
+  np.testing.assert_allclose(gu[1], [-(1 / 3) * A[1] / 2 * (0.6 / 0.5), -(1 / 3) * A[1] / 2],
+                             atol=1e-6)
+  np.testing.assert_allclose(gu[[0, 2]], gt[[0, 2]], atol=1e-7)
+  for delta, got in ((0.02, gt), (0.021, gu)):
+    _, want_g, _ = ref.flash_reinforce(logp, blogp, rewards, mask, delta=delta, trust="token")
+    np.testing.assert_allclose(got, want_g, atol=1e-6)
 
 
 def test_clamp_at_probability_one():

@@ -3,12 +3,20 @@ environment, the agent loop, the rollout workers and the learner service.
 
 Experiment files (`experiments/configs/*.py`) start from `default_config()` and change what
 they need; every field can be overridden on the command line (`--config.x=y`).
+
+`validate` is the one check of a run config (the learner's fields included) and runs once, at
+load (`launch.common.load_config`); it also fills what derives from other fields (checkpoint
+and log directories from run_dir, `optim.total_steps` from max_updates). `System` and
+`Learner` take the validated config as it is (`fr_jax.learner.config.ensure_valid`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import ml_collections
 
+from fr_jax.envs.sandbox import Limits
 from fr_jax.learner import config as lcfg
 
 ConfigError = lcfg.ConfigError
@@ -18,7 +26,6 @@ ENGINES = ("embedded", "sglang")
 def default_config() -> ml_collections.ConfigDict:
   c = lcfg.default_config()
   c.run_dir = ""  # metrics.jsonl, TensorBoard, checkpoints/, exports/; empty: nothing written
-  c.max_updates = 100  # total updates (a resumed run counts the restored ones)
   c.env = ml_collections.ConfigDict(dict(
       name="arithmetic",  # arithmetic | tool_arithmetic | countdown | textworld | digits
       kwargs=ml_collections.ConfigDict(),  # constructor settings, e.g. difficulty=2
@@ -34,6 +41,11 @@ def default_config() -> ml_collections.ConfigDict:
       # kernel refuses them the run stops at start. True runs it with resource limits only
       # (unsafe: the code can read the worker user's files and reach the network).
       allow_limits_only=False,
+      # The tool's resource limits per call (fr_jax.envs.sandbox.Limits; defaults are its own):
+      # wall_seconds, cpu_seconds, memory_bytes (address space per process), max_processes,
+      # max_output_bytes (what the model sees), max_file_bytes, tmpfs_bytes, max_code_bytes.
+      tool_limits=ml_collections.ConfigDict(
+          {k: v for k, v in dataclasses.asdict(Limits()).items() if k != "allow_limits_only"}),
   ))
   c.rollout = ml_collections.ConfigDict(dict(
       engine="embedded",  # embedded (in-process JAX) or sglang
@@ -88,10 +100,9 @@ def default_config() -> ml_collections.ConfigDict:
 
 
 def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """Learner checks plus the run's own; raises ConfigError naming the field."""
-  lcfg.validate(c)
-  if c.max_updates < 1:
-    raise ConfigError(f"max_updates={c.max_updates} must be >= 1")
+  """Learner checks plus the run's own, and the derived fields; raises ConfigError naming
+  the field. Returns `c`, remembered as validated."""
+  lcfg.check_fields(c)
   if c.rollout.engine not in ENGINES:
     raise ConfigError(f"rollout.engine={c.rollout.engine!r}: choose one of {ENGINES}")
   if c.rollout.engine == "sglang" and not c.rollout.sglang_url:
@@ -118,12 +129,23 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     raise ConfigError(f"eval.temperature={c.eval.temperature} must be >= 0 (0: greedy)")
   if c.eval.every < 0:
     raise ConfigError(f"eval.every={c.eval.every} must be >= 0")
+  bad = {k: v for k, v in c.agent.tool_limits.items() if not v > 0}
+  if bad:
+    raise ConfigError(f"agent.tool_limits {bad}: every limit must be > 0")
   from fr_jax import envs
   try:
     envs.make(c.env.name, **c.env.kwargs.to_dict())
   except (TypeError, ValueError) as e:
     raise ConfigError(f"env.name={c.env.name!r} / env.kwargs: {e}") from None
+  resolve_dirs(c)
+  lcfg.remember_valid(c)
   return c
+
+
+def tool_limits(c: ml_collections.ConfigDict) -> Limits:
+  """The Python tool's sandbox limits of this run (`agent.tool_limits`,
+  `agent.allow_limits_only`)."""
+  return Limits(**c.agent.tool_limits.to_dict(), allow_limits_only=c.agent.allow_limits_only)
 
 
 def resolve_dirs(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:

@@ -18,8 +18,8 @@ Every function here is pure and jit-able. Two layouts share one implementation:
   sums with a static number of segments, so a bucket shape compiles once.
 
 Global quantities (B, sum_j R_j, sum_j T_j) can be given from outside (`BatchStats`) so that
-micro-batches and mesh shards see the whole batch's normalisers; with `axis_name` they are
-summed across that mapped axis (use inside `jax.shard_map`).
+micro-batches see the whole batch's normalisers. On a mesh, the learner jits the packed loss
+over globally sharded arrays, and XLA inserts the collectives for these sums.
 """
 
 from __future__ import annotations
@@ -60,14 +60,20 @@ def _padded_layout() -> _Layout:
   )
 
 
-def _packed_layout(segment_ids_RxL: jax.Array, num_segments: int) -> _Layout:
+def segment_sum(x_RxL: jax.Array, segment_ids_RxL: jax.Array, num_segments: int) -> jax.Array:
+  """Per-trajectory sums [S] of a packed per-token array [R, L] (segment 0, the padding, is
+  dropped)."""
   # Segment 0 is padding; slot s-1 holds trajectory segment s. The extra bucket absorbs
   # padding so no token is ever dropped or branched on.
+  return jax.ops.segment_sum(x_RxL.reshape(-1), segment_ids_RxL.reshape(-1),
+                             num_segments=num_segments + 1)[1:]
+
+
+def _packed_layout(segment_ids_RxL: jax.Array, num_segments: int) -> _Layout:
   seg_N = segment_ids_RxL.reshape(-1)
 
   def to_traj(x_RxL):
-    sums = jax.ops.segment_sum(x_RxL.reshape(-1), seg_N, num_segments=num_segments + 1)
-    return sums[1:]
+    return segment_sum(x_RxL, segment_ids_RxL, num_segments)
 
   def to_tok(x_S):
     return jnp.concatenate([jnp.zeros((1,), x_S.dtype), x_S])[segment_ids_RxL]
@@ -77,14 +83,6 @@ def _packed_layout(segment_ids_RxL: jax.Array, num_segments: int) -> _Layout:
     return m[1:]
 
   return _Layout(to_traj, to_tok, traj_max)
-
-
-def _psum(x, axis_name):
-  return x if axis_name is None else jax.lax.psum(x, axis_name)
-
-
-def _pmax(x, axis_name):
-  return x if axis_name is None else jax.lax.pmax(x, axis_name)
 
 
 def _f32(x):
@@ -109,18 +107,18 @@ def bernoulli_kl(behavior_logp, learner_logp):
   return p * (jnp.log(p) - jnp.log(q)) + (1.0 - p) * (jnp.log1p(-p) - jnp.log1p(-q))
 
 
-def batch_stats(rewards_N, valid_N, num_action_tokens_N, axis_name=None) -> BatchStats:
-  """B, sum R and sum T over the valid trajectories, summed over `axis_name` if given."""
+def batch_stats(rewards_N, valid_N, num_action_tokens_N) -> BatchStats:
+  """B, sum R and sum T over the valid trajectories."""
   valid = _f32(valid_N)
   return BatchStats(
-      num_trajectories=_psum(valid.sum(), axis_name),
-      reward_sum=_psum((_f32(rewards_N) * valid).sum(), axis_name),
-      num_action_tokens=_psum((_f32(num_action_tokens_N) * valid).sum(), axis_name),
+      num_trajectories=valid.sum(),
+      reward_sum=(_f32(rewards_N) * valid).sum(),
+      num_action_tokens=(_f32(num_action_tokens_N) * valid).sum(),
   )
 
 
 def _reinforce(layout, logp, behavior_logp, rewards_N, valid_N, action_mask, *, delta,
-               reduction, trust, advantage, stats, axis_name):
+               reduction, trust, advantage, stats):
   _check_choice("reduction", reduction, REDUCTIONS)
   _check_choice("trust", trust, TRUST_MODES)
   _check_choice("advantage", advantage, ADVANTAGES)
@@ -131,7 +129,7 @@ def _reinforce(layout, logp, behavior_logp, rewards_N, valid_N, action_mask, *, 
   maskf = mask.astype(jnp.float32)
   T_N = layout.to_traj(maskf)  # action tokens per trajectory
   if stats is None:
-    stats = batch_stats(rewards_N, valid_N, T_N, axis_name)
+    stats = batch_stats(rewards_N, valid_N, T_N)
 
   # (1) A_i = R_i - mean_j R_j over the whole fresh batch; rejected rows still count.
   if advantage == "batch_centered":
@@ -168,34 +166,34 @@ def _reinforce(layout, logp, behavior_logp, rewards_N, valid_N, action_mask, *, 
     # token_mean: the weight 1/(B T_i) becomes 1/sum_j T_j, T over all B rows.
     coef_N = A_N / jnp.maximum(stats.num_action_tokens, 1.0)
   loss = -(coef_N * per_traj_N).sum()
-  loss = _psum(loss, axis_name)
+  loss = loss
 
-  n_tok = _psum(maskf.sum(), axis_name)
-  n_valid = _psum(valid_N.astype(jnp.float32).sum(), axis_name)
+  n_tok = maskf.sum()
+  n_valid = valid_N.astype(jnp.float32).sum()
   aux = {
       "advantages": A_N,
       "seq_kl": seq_kl_N,
       "admitted": admitted_N,
       "num_action_tokens": T_N,
-      "acceptance_rate": _psum(admitted_N.astype(jnp.float32).sum(), axis_name)
+      "acceptance_rate": admitted_N.astype(jnp.float32).sum()
                          / jnp.maximum(n_valid, 1.0),
-      "token_acceptance_rate": _psum(token_admitted.astype(jnp.float32).sum(), axis_name)
+      "token_acceptance_rate": token_admitted.astype(jnp.float32).sum()
                                / jnp.maximum(n_tok, 1.0),
-      "seq_kl_mean": _psum(jnp.where(valid_N, seq_kl_N, 0.0).sum(), axis_name)
+      "seq_kl_mean": jnp.where(valid_N, seq_kl_N, 0.0).sum()
                      / jnp.maximum(n_valid, 1.0),
-      "seq_kl_max": _pmax(jnp.where(valid_N, seq_kl_N, 0.0).max(), axis_name),
-      "token_kl_mean": _psum(d.sum(), axis_name) / jnp.maximum(n_tok, 1.0),
-      "ratio_mean": _psum(jnp.where(mask, rho, 0.0).sum(), axis_name) / jnp.maximum(n_tok, 1.0),
-      "ratio_max": _pmax(jnp.where(mask, rho, -jnp.inf).max(), axis_name),
-      "ratio_min": -_pmax(jnp.where(mask, -rho, -jnp.inf).max(), axis_name),
-      "log_ratio_abs_mean": _psum(jnp.abs(log_rho).sum(), axis_name) / jnp.maximum(n_tok, 1.0),
+      "seq_kl_max": jnp.where(valid_N, seq_kl_N, 0.0).max(),
+      "token_kl_mean": d.sum() / jnp.maximum(n_tok, 1.0),
+      "ratio_mean": jnp.where(mask, rho, 0.0).sum() / jnp.maximum(n_tok, 1.0),
+      "ratio_max": jnp.where(mask, rho, -jnp.inf).max(),
+      "ratio_min": -jnp.where(mask, -rho, -jnp.inf).max(),
+      "log_ratio_abs_mean": jnp.abs(log_rho).sum() / jnp.maximum(n_tok, 1.0),
   }
   return loss, aux
 
 
 def flash_reinforce_loss(logp, behavior_logp, rewards, action_mask, *, delta=3e-3,
                          reduction="sample_mean", trust="sequence",
-                         advantage="batch_centered", stats=None, axis_name=None):
+                         advantage="batch_centered", stats=None):
   """FlashREINFORCE loss on padded arrays.
 
   Args:
@@ -208,7 +206,6 @@ def flash_reinforce_loss(logp, behavior_logp, rewards, action_mask, *, delta=3e-
     trust: "sequence" (paper), "token" (token-local ablation) or "none".
     advantage: "batch_centered" (paper) or "positive_only" (A_i = R_i, ablation).
     stats: optional `BatchStats` of the whole batch (for micro-batches); default: this batch.
-    axis_name: mapped axis to sum global quantities over (inside shard_map), or None.
 
   Returns:
     (loss, aux). aux: per-trajectory `advantages`, `seq_kl` (D_i), `admitted`,
@@ -220,13 +217,12 @@ def flash_reinforce_loss(logp, behavior_logp, rewards, action_mask, *, delta=3e-
   valid = jnp.ones(rewards.shape, bool)
   return _reinforce(_padded_layout(), logp, behavior_logp, rewards, valid, action_mask,
                     delta=delta, reduction=reduction, trust=trust, advantage=advantage,
-                    stats=stats, axis_name=axis_name)
+                    stats=stats)
 
 
 def flash_reinforce_loss_packed(logp, behavior_logp, action_mask, segment_ids, rewards,
                                 segment_valid, *, delta=3e-3, reduction="sample_mean",
-                                trust="sequence", advantage="batch_centered", stats=None,
-                                axis_name=None):
+                                trust="sequence", advantage="batch_centered", stats=None):
   """FlashREINFORCE loss on packed arrays; same values and gradients as the padded form.
 
   Args:
@@ -240,7 +236,7 @@ def flash_reinforce_loss_packed(logp, behavior_logp, action_mask, segment_ids, r
   layout = _packed_layout(jnp.asarray(segment_ids), rewards.shape[0])
   return _reinforce(layout, logp, behavior_logp, rewards, segment_valid, action_mask,
                     delta=delta, reduction=reduction, trust=trust, advantage=advantage,
-                    stats=stats, axis_name=axis_name)
+                    stats=stats)
 
 
 def group_advantages(rewards, group_ids, normalize_std=True, *, num_groups=None):
@@ -267,7 +263,7 @@ def group_advantages(rewards, group_ids, normalize_std=True, *, num_groups=None)
 
 
 def _ppo_clip(layout, logp, old_logp, advantages_N, valid_N, action_mask, *, clip_eps,
-              clip_eps_high, reduction, stats, axis_name):
+              clip_eps_high, reduction, stats):
   _check_choice("reduction", reduction, REDUCTIONS)
   logp, old_logp, A_N = _f32(logp), _f32(old_logp), _f32(advantages_N)
   valid_N = jnp.asarray(valid_N, bool)
@@ -275,7 +271,7 @@ def _ppo_clip(layout, logp, old_logp, advantages_N, valid_N, action_mask, *, cli
   maskf = mask.astype(jnp.float32)
   T_N = layout.to_traj(maskf)
   if stats is None:
-    stats = batch_stats(jnp.zeros_like(A_N), valid_N, T_N, axis_name)
+    stats = batch_stats(jnp.zeros_like(A_N), valid_N, T_N)
   hi = clip_eps if clip_eps_high is None else clip_eps_high
 
   # PPO-clip: per token, -min(r A, clip(r, 1-eps, 1+eps_high) A), r = pi/pi_old.
@@ -287,23 +283,23 @@ def _ppo_clip(layout, logp, old_logp, advantages_N, valid_N, action_mask, *, cli
     coef_N = 1.0 / jnp.maximum(T_N, 1.0) / jnp.maximum(stats.num_trajectories, 1.0)
   else:
     coef_N = jnp.full_like(T_N, 1.0) / jnp.maximum(stats.num_action_tokens, 1.0)
-  loss = _psum(-(jnp.where(valid_N, coef_N, 0.0) * per_traj_N).sum(), axis_name)
+  loss = -(jnp.where(valid_N, coef_N, 0.0) * per_traj_N).sum()
 
   r = jax.lax.stop_gradient(ratio)
   clipped = mask & (((r > 1.0 + hi) & (A_tok > 0)) | ((r < 1.0 - clip_eps) & (A_tok < 0)))
-  n_tok = jnp.maximum(_psum(maskf.sum(), axis_name), 1.0)
+  n_tok = jnp.maximum(maskf.sum(), 1.0)
   aux = {
       "advantages": A_N,
       "num_action_tokens": T_N,
-      "clip_fraction": _psum(clipped.astype(jnp.float32).sum(), axis_name) / n_tok,
-      "ratio_mean": _psum(jnp.where(mask, r, 0.0).sum(), axis_name) / n_tok,
-      "ratio_max": _pmax(jnp.where(mask, r, -jnp.inf).max(), axis_name),
+      "clip_fraction": clipped.astype(jnp.float32).sum() / n_tok,
+      "ratio_mean": jnp.where(mask, r, 0.0).sum() / n_tok,
+      "ratio_max": jnp.where(mask, r, -jnp.inf).max(),
   }
   return loss, aux
 
 
 def ppo_clip_loss(logp, old_logp, advantages, action_mask, *, clip_eps=0.2,
-                  clip_eps_high=None, reduction="sample_mean", stats=None, axis_name=None):
+                  clip_eps_high=None, reduction="sample_mean", stats=None):
   """GRPO/PPO-clip policy loss on padded arrays, for matched baselines.
 
   Args:
@@ -317,16 +313,15 @@ def ppo_clip_loss(logp, old_logp, advantages, action_mask, *, clip_eps=0.2,
   advantages = jnp.asarray(advantages)
   return _ppo_clip(_padded_layout(), logp, old_logp, advantages,
                    jnp.ones(advantages.shape, bool), action_mask, clip_eps=clip_eps,
-                   clip_eps_high=clip_eps_high, reduction=reduction, stats=stats,
-                   axis_name=axis_name)
+                   clip_eps_high=clip_eps_high, reduction=reduction, stats=stats)
 
 
 def ppo_clip_loss_packed(logp, old_logp, action_mask, segment_ids, advantages, segment_valid,
                          *, clip_eps=0.2, clip_eps_high=None, reduction="sample_mean",
-                         stats=None, axis_name=None):
+                         stats=None):
   """`ppo_clip_loss` on packed arrays (layout as in `flash_reinforce_loss_packed`)."""
   advantages = jnp.asarray(advantages)
   layout = _packed_layout(jnp.asarray(segment_ids), advantages.shape[0])
   return _ppo_clip(layout, logp, old_logp, advantages, segment_valid, action_mask,
                    clip_eps=clip_eps, clip_eps_high=clip_eps_high, reduction=reduction,
-                   stats=stats, axis_name=axis_name)
+                   stats=stats)

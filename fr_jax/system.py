@@ -16,7 +16,7 @@ import ml_collections
 
 from fr_jax import config as rcfg
 from fr_jax import envs
-from fr_jax.envs.sandbox import Limits
+from fr_jax.learner import config as lcfg
 from fr_jax.learner.learner import Learner
 from fr_jax.learner.service import InflightController, LearnerService
 from fr_jax.models import registry
@@ -38,7 +38,7 @@ def build_service(c: ml_collections.ConfigDict, model=None, *, resume: bool = Tr
   is one. With `admission_log` (separate worker processes), admitted records are logged to
   run_dir/admission.log before they are acknowledged, and those the restored checkpoint still
   owes are queued again. Dead letters go to run_dir/dead_letter.jsonl."""
-  c = rcfg.resolve_dirs(rcfg.validate(c))
+  c = lcfg.ensure_valid(c, rcfg.validate)
   learner = Learner(c, model=model)
   s = c.service
   controller = (InflightController(c.rollout.inflight, target_rejection=s.target_rejection,
@@ -67,7 +67,7 @@ def agent_config(c: ml_collections.ConfigDict) -> AgentConfig:
   return AgentConfig(max_turns=a.max_turns, max_new_tokens=a.max_new_tokens,
                      max_total_tokens=a.max_total_tokens, temperature=c.objective.temperature,
                      top_p=a.top_p, template=a.template,
-                     tool_limits=Limits(allow_limits_only=a.allow_limits_only))
+                     tool_limits=rcfg.tool_limits(c))
 
 
 def build_engine(c: ml_collections.ConfigDict, model, params=None, version: int = 0):
@@ -183,4 +183,4 @@ def tool_isolation(c: ml_collections.ConfigDict) -> str:
   env = envs.make(c.env.name, **c.env.kwargs.to_dict())
   if "python" not in env.tools:
     return "none"
-  return isolation_mode(Limits(allow_limits_only=c.agent.allow_limits_only))
+  return isolation_mode(rcfg.tool_limits(c))

@@ -13,6 +13,8 @@ interleaved). Per completion token it carries:
 `REASONS`), never a bare assert. Besides the shape of the record it checks what the learner can
 digest: token ids inside the model's vocabulary, a reward that is finite in float32, behaviour
 log-probs above a floor (so exp(log pi - log mu) stays finite), and bounded string fields.
+It runs once per record, where the record is admitted (the learner service, `launch.sft`, the
+replication driver); `Learner.update` takes admitted records as they are.
 
 A record's id is `producer/seq`: the producer (a worker and its start nonce) numbers its records
 0, 1, 2, ... and sends them in that order. `record_key` splits an id; the learner keeps one

@@ -151,7 +151,7 @@ def check(c, topology: str, rows_per_device: int = 0, mfu: float = 0.4) -> dict:
   c.packing.row_buckets = (rows,)
   L = c.packing.row_len
   tokens = rows * L
-  flops = 3 * model.flops_per_token(L) * tokens  # forward + backward, no recomputation
+  flops = model.train_flops(rows, L)  # forward + backward, no recomputation
   # The longest batch the recipe can make: B trajectories of agent.max_total_tokens each.
   step_tokens = c.batch_size * c.minibatches * c.agent.max_total_tokens if "agent" in c else 0
   step_flops = step_tokens * flops / tokens

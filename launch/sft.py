@@ -87,7 +87,7 @@ def warm_start(c, model, out_dir: str, *, stop=None, progress: bool = True,
       if stop is not None and stop.is_set():
         break
       idx = sft.batch_indices(len(records), c.sft.batch_size, k, c.sft.seed)
-      m = learner.update([records[i] for i in idx], log_ids=False, validated=True)
+      m = learner.update([records[i] for i in idx], log_ids=False)
       first = m["loss"] if first is None else first
       last = m["loss"]
       learner.save()

@@ -76,7 +76,7 @@ for t, i in zip(trajs, range(3)):
   t.traj_id = f"w/{{i}}"
 def later():
   time.sleep(1.0)
-  leader.announce("update", trajs, {{"validated": True}})
+  leader.announce("update", trajs, {{"log_ids": False}})
   leader.announce("close", None, {{}})
 threading.Thread(target=later).start()
 t0 = time.monotonic()
@@ -98,5 +98,5 @@ def test_a_follower_waits_through_idle_time_and_gets_the_records_whole():
                      timeout=120)
   assert r.returncode == 0, r.stderr[-3000:]
   (method, kwargs, waited), second = map(json.loads, r.stdout.strip().splitlines()[-2:])
-  assert (method, kwargs) == ("update", {"validated": True}) and waited >= 0.9
+  assert (method, kwargs) == ("update", {"log_ids": False}) and waited >= 0.9
   assert second == ["close", None, {}]

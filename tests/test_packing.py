@@ -239,31 +239,37 @@ def test_shard_map_equals_single_device():
   trajs = make_trajs(rng, 8 * 5, reward_levels=3)
   lps = learner_logp(rng, trajs)
   spec = PackingSpec(row_len=64, row_buckets=(4,), max_segments_per_row=8)
-  # Each data shard packs its own trajectories; global B, sum R, sum T come from psum.
+  # Each data shard packs its own trajectories and scores them with the whole batch's
+  # normalisers (B, sum R, sum T: what the learner passes every micro-batch); the shards'
+  # losses and admitted counts are parts that sum to the whole.
   shards = [trajs[k::8] for k in range(8)]
   shard_lps = [lps[k::8] for k in range(8)]
   batches = [pack(s, spec).batches[0] for s in shards]
   stacked = jax.tree.map(lambda *xs: np.stack(xs), *batches)
   logp = np.stack([to_packed(b, s, lp, -1.0) for b, s, lp in zip(batches, shards, shard_lps)])
+  stats = obj.BatchStats(np.float32(len(trajs)),
+                         np.float32(sum(t.reward for t in trajs)),
+                         np.float32(sum(t.num_action_tokens for t in trajs)))
 
   mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
   kw = dict(delta=5e-3, reduction="sample_mean")
 
-  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("data"), P("data")),
-                     out_specs=(P(), P("data"), P()))
-  def sharded(logp, b):
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("data"), P("data"), P()),
+                     out_specs=(P("data"), P("data"), P("data")))
+  def sharded(logp, b, stats):
     def local(lp):
       loss, aux = obj.flash_reinforce_loss_packed(
           lp[0], b.behavior_logp[0], b.action_mask[0], b.segment_ids[0], b.rewards[0],
-          b.segment_valid[0], axis_name="data", **kw)
+          b.segment_valid[0], stats=stats, **kw)
       return loss, aux
     (loss, aux), g = jax.value_and_grad(local, has_aux=True)(logp)
-    return loss, g, aux["acceptance_rate"]
+    return loss[None], g, aux["admitted"].sum()[None]
 
   # Explicit axis types: inputs are placed with their data sharding before the call.
   shard = jax.sharding.NamedSharding(mesh, P("data"))
-  loss, g, acc = jax.jit(sharded)(jax.device_put(jnp.asarray(logp, jnp.float32), shard),
-                                  jax.device_put(stacked, shard))
+  loss, g, admitted = jax.jit(sharded)(jax.device_put(jnp.asarray(logp, jnp.float32), shard),
+                                       jax.device_put(stacked, shard), stats)
+  loss, acc = np.asarray(loss).sum(), np.asarray(admitted).sum() / len(trajs)
 
   order = [t for s in shards for t in s]
   order_lps = [lp for s in shard_lps for lp in s]

@@ -16,7 +16,6 @@ def get_config():
   c.batch_size = 64
   c.objective.delta = 1e-3
   c.max_updates = 200
-  c.optim.total_steps = 200
   c.packing.row_len = 8192
   c.env.name = "textworld"
   c.agent.max_turns = 30

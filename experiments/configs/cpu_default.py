@@ -20,7 +20,6 @@ def get_config():
   c.max_updates = 48
   c.optim.lr = 1e-5
   c.optim.warmup_frac = 0.0
-  c.optim.total_steps = 48
   c.objective.delta = 3e-3
   c.objective.temperature = 0.6  # sampling temperature (the learner scores at the same)
   c.packing.row_len = 512

@@ -16,7 +16,6 @@ def get_config():
   c.batch_size = 128
   c.objective.delta = 1e-3
   c.max_updates = 600
-  c.optim.total_steps = 600
   c.mesh.data, c.mesh.fsdp = 1, 8
   c.packing.row_buckets = (8, 16, 24, 32)
   c.packing.row_len = 8192  # no trajectory is longer (agent.max_total_tokens): see docs/scale.md

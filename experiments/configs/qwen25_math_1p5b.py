@@ -20,7 +20,6 @@ def get_config():
   c.batch_size = 128
   c.objective.delta = 3e-3
   c.max_updates = 2000
-  c.optim.total_steps = 2000
   c.env.name = "arithmetic"
   c.env.kwargs.difficulty = 4
   c.agent.max_turns = 1

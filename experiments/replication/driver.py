@@ -40,6 +40,7 @@ from fr_jax.learner.learner import Learner
 from fr_jax.models import decoder, registry
 from fr_jax.rollout.agent import AgentConfig, AgentLoop
 from fr_jax.rollout.embedded import EmbeddedEngine
+from fr_jax.trajectory import validate
 
 MODEL = "tiny-chat"
 
@@ -282,6 +283,7 @@ def rl_loop(learner, engine, loop, env, *, updates: int, lag: int, batch_size: i
     trajs, _ = loop.run(tasks, seeds)
     for i, t in enumerate(trajs):
       t.traj_id = f"{t.traj_id}@{v}.{i}"
+      validate(t, **learner.record_limits)  # this loop's admission
     rollouts += len(trajs)
     m = learner.update(trajs, log_ids=False)
     snapshots[learner.version] = jax.device_get(learner.params)

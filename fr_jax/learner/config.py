@@ -1,5 +1,11 @@
 """The learner's configuration (an ml_collections ConfigDict) and its validation.
 
+Validation has one owner and runs once: `validate` checks every field, derives what is left
+unset (`optim.total_steps` from `max_updates`), and remembers the config it passed.
+`ensure_valid` (the Learner's constructor, `system.build_service`) validates again only a
+config that was never validated or has changed since, so a config loaded by a launch command
+(`launch.common.load_config`) is checked exactly once, at load.
+
 Every ablation is one field: `objective.reduction=token_mean`, `objective.trust=token|none`,
 `objective.advantage=positive_only`, `objective.delta=inf`, `minibatches=4` (sequential
 minibatches), `objective.loss=grpo` (group advantages + PPO-clip). `objective.loss=sft`
@@ -9,11 +15,15 @@ is the supervised warm start's (`launch.sft`).
 from __future__ import annotations
 
 import math
+import weakref
 
 import ml_collections
 
 from fr_jax import objective as obj
-from fr_jax.models.config import check_attention
+from fr_jax.models.config import ConfigError, check_attention
+
+__all__ = ["LOSSES", "ConfigError", "check_fields", "default_config", "ensure_valid",
+           "remember_valid", "validate"]
 
 LOSSES = ("flash_reinforce", "grpo", "sft")
 
@@ -55,7 +65,7 @@ def default_config() -> ml_collections.ConfigDict:
       clip_norm=1.0,
       warmup_frac=0.03,
       min_lr_ratio=0.1,
-      total_steps=1000,  # schedule length in updates
+      total_steps=0,  # schedule length in updates; 0: max_updates
   ))
   c.packing = ml_collections.ConfigDict(dict(
       row_len=4096,
@@ -63,6 +73,7 @@ def default_config() -> ml_collections.ConfigDict:
       max_segments_per_row=32,
   ))
   c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1))
+  c.max_updates = 100  # total updates (a resumed run counts the restored ones)
   c.batch_size = 128  # B trajectories per update
   c.minibatches = 1  # k > 1: a batch of k*B is split into k consecutive updates (ablation)
   c.max_policy_lag = -1  # drop trajectories older than this many versions; -1 keeps all
@@ -79,11 +90,39 @@ def default_config() -> ml_collections.ConfigDict:
   return c
 
 
-class ConfigError(ValueError):
-  """A learner config that cannot run, naming the field and the fix."""
+# id(config) -> (weak reference, its JSON when it passed `validate`).
+_PASSED: dict[int, tuple[weakref.ref, str]] = {}
+
+
+def _fingerprint(c: ml_collections.ConfigDict) -> str:
+  return c.to_json_best_effort(sort_keys=True)
+
+
+def remember_valid(c: ml_collections.ConfigDict) -> None:
+  key = id(c)
+  _PASSED[key] = (weakref.ref(c, lambda _: _PASSED.pop(key, None)), _fingerprint(c))
+
+
+def ensure_valid(c: ml_collections.ConfigDict, validate_fn=None) -> ml_collections.ConfigDict:
+  """`c` as it is if it passed validation unchanged, else `validate_fn(c)` (default: this
+  module's `validate`; the run config passes `fr_jax.config.validate`)."""
+  seen = _PASSED.get(id(c))
+  if seen is not None and seen[0]() is c and seen[1] == _fingerprint(c):
+    return c
+  return (validate_fn or validate)(c)
 
 
 def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """Checks the learner's fields and fills `optim.total_steps` (0: `max_updates`); raises
+  ConfigError naming the field. Returns `c`."""
+  check_fields(c)
+  remember_valid(c)
+  return c
+
+
+def check_fields(c: ml_collections.ConfigDict) -> None:
+  """The learner's checks and derivations, without marking `c` validated (the run config's
+  `validate` adds its own checks first)."""
   o = c.objective
   if o.loss not in LOSSES:
     raise ConfigError(f"objective.loss={o.loss!r}: choose one of {LOSSES}")
@@ -104,15 +143,16 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if bad:
     raise ConfigError(f"packing.row_buckets {bad} are not multiples of the mesh size "
                       f"data*fsdp={n_shards}; rows are split over the mesh")
+  if c.max_updates < 1:
+    raise ConfigError(f"max_updates={c.max_updates} must be >= 1")
+  if c.optim.total_steps == 0:
+    c.optim.total_steps = c.max_updates
   if c.optim.lr < 0 or c.optim.total_steps < 1:
-    raise ConfigError(f"optim.lr={c.optim.lr} must be >= 0 and optim.total_steps >= 1")
+    raise ConfigError(f"optim.lr={c.optim.lr} must be >= 0 and optim.total_steps >= 1 "
+                      f"(0 derives it from max_updates), got {c.optim.total_steps}")
   if not 0 <= c.optim.min_lr_ratio <= 1 or not 0 <= c.optim.warmup_frac < 1:
     raise ConfigError("optim.min_lr_ratio must be in [0, 1] and optim.warmup_frac in [0, 1)")
-  try:
-    check_attention(c.model.attention, "model.attention")
-  except ValueError as e:  # the models' ConfigError: re-raised as this config's
-    raise ConfigError(str(e)) from None
+  check_attention(c.model.attention, "model.attention")
   if c.model.compute_dtype not in ("float32", "bfloat16") or \
      c.model.param_dtype not in ("float32", "bfloat16"):
     raise ConfigError("model.param_dtype and model.compute_dtype must be float32 or bfloat16")
-  return c

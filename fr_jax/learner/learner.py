@@ -1,11 +1,11 @@
 """The learner: effects around the pure update step.
 
-`Learner.update(trajectories)` takes one fresh batch of B validated trajectories, packs it
+`Learner.update(trajectories)` takes one fresh batch of B admitted records, packs them
 into bucket-shaped micro-batches, computes the whole batch's normalisers, accumulates the
 micro-batch gradients and makes exactly one optimizer step (k steps in the sequential-
 minibatch ablation), then returns the step's metrics (also written to JSONL/TensorBoard).
 Nothing is replayed. Each (micro-batch shape, final or not) compiles once, ahead of time, and
-its compiled cost analysis gives the FLOPs behind the MFU figure.
+the MFU figure counts its model FLOPs analytically (`ModelConfig.train_flops`).
 
 A step whose loss or gradient is not finite applies nothing (the step's guard); its records
 are reported in `skipped_traj_ids`, and `find_offenders` names the ones responsible by
@@ -28,15 +28,15 @@ import optax
 from fr_jax import objective as obj
 from fr_jax.learner import checkpoint as ckpt
 from fr_jax.learner import config as lcfg
+from fr_jax.learner import diagnostics
 from fr_jax.learner import mesh as meshlib
 from fr_jax.learner import multihost
 from fr_jax.learner import optim, step
 from fr_jax.learner.metrics import MetricsWriter
 from fr_jax.models import decoder, registry
-from fr_jax.models.attention import packed_visibility
 from fr_jax.models.hf_io import export_hf
 from fr_jax.packing import PackingSpec, pack
-from fr_jax.trajectory import Trajectory, validate
+from fr_jax.trajectory import Trajectory
 
 log = logging.getLogger("fr_jax.learner")
 
@@ -53,12 +53,6 @@ def measure_peak_flops(dtype: str = "float32", n: int = 2048, repeats: int = 5) 
     f(a, a).block_until_ready()
     ts.append(time.perf_counter() - t0)
   return 2 * n**3 / float(np.median(ts))
-
-
-def _flops(compiled) -> float:
-  ca = compiled.cost_analysis()
-  ca = ca[0] if isinstance(ca, (list, tuple)) else ca
-  return float((ca or {}).get("flops", 0.0))
 
 
 def step_config(c: ml_collections.ConfigDict, model_config) -> step.StepConfig:
@@ -81,7 +75,8 @@ def _jit_update(sc, optimizer, lr_schedule, state_shardings, mesh):
   return jax.jit(
       lambda s, a, b, st: step.update(s, a, b, st, sc=sc, optimizer=optimizer,
                                       lr_schedule=lr_schedule),
-      donate_argnums=(0,), out_shardings=(state_shardings, meshlib.replicated(mesh)))
+      donate_argnums=(0,),
+      out_shardings=(state_shardings, meshlib.replicated(mesh), meshlib.replicated(mesh)))
 
 
 def compile_update_from_shapes(config: ml_collections.ConfigDict, model_config, rows: int,
@@ -90,7 +85,7 @@ def compile_update_from_shapes(config: ml_collections.ConfigDict, model_config, 
   `packing.row_len` tokens, on the config's mesh, from shapes alone: no parameter or optimizer
   state is materialised, so a config far larger than this machine's memory compiles. The
   executable's `memory_analysis()` is per device. Returns (executable, mesh)."""
-  c = lcfg.validate(config)
+  c = lcfg.ensure_valid(config)
   model_config = model_config.replace(param_dtype=c.model.param_dtype,
                                       compute_dtype=c.model.compute_dtype,
                                       attention=c.model.attention)
@@ -144,7 +139,7 @@ class Learner:
   def __init__(self, config: ml_collections.ConfigDict,
                model: Optional[registry.LoadedModel] = None, devices=None,
                group: Optional[multihost.Group] = None):
-    self.config = lcfg.validate(config)
+    self.config = lcfg.ensure_valid(config)
     c = self.config
     self.group = group if group is not None else multihost.group()
     if model is None:
@@ -216,32 +211,12 @@ class Learner:
       fn = self._jit_update if kind == "update" else self._jit_accumulate
       t0 = time.perf_counter()
       exe = fn.lower(*args).compile()
-      flops = _flops(exe) + (self.model_config.num_layers - 1) * self._layer_flops(b.shape)
+      R, L, _ = b.shape
+      flops = self.model_config.train_flops(R, L)
       self._compiled[key] = (exe, flops)
       log.info("compiled %s for micro-batch %s in %.1fs (%.3g FLOPs)", kind, b.shape,
                time.perf_counter() - t0, flops)
     return self._compiled[key]
-
-  def _layer_flops(self, shape) -> float:
-    """XLA's cost analysis counts a scanned layer once: this is one layer's fwd+bwd cost,
-    added (num_layers - 1) times."""
-    R, L, _ = shape
-    cfg = self.model_config
-    lp = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
-                      self.state.params["layers"])
-    h = jax.ShapeDtypeStruct((R, L, cfg.hidden_size), jnp.float32)
-    seg = jax.ShapeDtypeStruct((R, L), jnp.int32)
-
-    def layer_loss(lp, h, seg):
-      pos = jnp.broadcast_to(jnp.arange(L), (R, L))
-      cos, sin = decoder.rope_tables(cfg, pos)
-      fn = lambda lp, h: decoder._layer(cfg, h, lp, cos, sin, packed_visibility(seg),  # noqa
-                                        None, 0, None)[0]
-      if self.step_config.remat:
-        fn = jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
-      return fn(lp, h).sum()
-
-    return _flops(jax.jit(jax.grad(layer_loss, argnums=(0, 1))).lower(lp, h, seg).compile())
 
   # --- one batch ---
   def _device_batch(self, b, values_S=None):
@@ -273,23 +248,24 @@ class Learner:
       dbs.append(self._device_batch(b, vals))
     return packed, stats, dbs
 
-  def _apply(self, trajs: Sequence[Trajectory], reward_mean: float,
+  def _apply(self, trajs: Sequence[Trajectory], lags: np.ndarray, reward_mean: float,
              advantages: Optional[np.ndarray]) -> dict:
     t0 = time.perf_counter()
-    version = self.version
     packed, stats, dbs = self._micro_batches(trajs, reward_mean, advantages)
-    acc, flops = None, 0.0
+    acc, flops, segments = None, 0.0, []
     for i, db in enumerate(dbs):
       if i + 1 < len(packed.batches):
         exe, f = self._executable("accumulate", self.state.params, acc, db, stats)
-        acc = exe(self.state.params, acc, db, stats)
+        acc, seg = exe(self.state.params, acc, db, stats)
       else:
         exe, f = self._executable("update", self.state, acc, db, stats)
-        self.state, m = exe(self.state, acc, db, stats)
+        self.state, m, seg = exe(self.state, acc, db, stats)
+      segments.append(seg)
       flops += f
     m = {k: (bool(v) if k == "finite" else float(v)) for k, v in jax.device_get(m).items()}
     dt = time.perf_counter() - t0
-    lags = [version - t.min_policy_version for t in trajs]
+    m.update(self._split_metrics(trajs, lags, packed, jax.device_get(segments), reward_mean,
+                                 advantages))
     m.update(
         step_time_s=dt, tokens=packed.real_tokens, tokens_per_s=packed.real_tokens / dt,
         packing_efficiency=packed.efficiency, micro_batches=len(packed.batches),
@@ -308,6 +284,29 @@ class Learner:
       m["skipped_traj_ids"] = ids
     return m
 
+  def _split_metrics(self, trajs, lags, packed, segments, reward_mean, advantages) -> dict:
+    """`diagnostics.split_metrics` of the batch: each micro-batch's per-slot values [S]
+    gathered back into record order (`traj_index`)."""
+    B = len(trajs)
+    per = {k: np.zeros(B, np.float64) for k in step.SEGMENT_VALUES}
+    for b, seg in zip(packed.batches, segments):
+      slots = np.flatnonzero(b.segment_valid)
+      for k in step.SEGMENT_VALUES:
+        per[k][b.traj_index[slots]] = np.asarray(seg[k], np.float64)[slots]
+    rewards = np.array([t.reward for t in trajs], np.float64)
+    o = self.config.objective
+    if advantages is not None:  # grpo: the group advantages
+      adv = np.asarray(advantages, np.float64)
+    elif o.loss == "flash_reinforce" and o.advantage == "batch_centered":
+      adv = rewards - reward_mean
+    else:  # positive_only (and sft, whose weight is 1)
+      adv = rewards if o.loss == "flash_reinforce" else np.ones(B)
+    return diagnostics.split_metrics(
+        lag_B=lags, action_tokens_B=[t.num_action_tokens for t in trajs],
+        response_len_B=[t.completion_tokens.shape[0] for t in trajs], advantage_B=adv,
+        admitted_B=per["admitted"], seq_kl_B=per["seq_kl"],
+        abs_dlogp_sum_B=per["abs_dlogp_sum"], token_kl_sum_B=per["token_kl_sum"])
+
   def objective_finite(self, trajs: Sequence[Trajectory]) -> bool:
     """Whether the one-batch objective on `trajs` alone (with their own B, mean reward and
     token count) has a finite loss and gradient. Applies nothing."""
@@ -317,7 +316,7 @@ class Learner:
     acc = None
     for db in dbs:
       exe, _ = self._executable("accumulate", self.state.params, acc, db, stats)
-      acc = exe(self.state.params, acc, db, stats)
+      acc, _ = exe(self.state.params, acc, db, stats)
     return bool(self._jit_finite(acc))
 
   @_collective
@@ -348,16 +347,16 @@ class Learner:
     return minimize(list(range(len(trajs))), set())
 
   @_collective
-  def update(self, trajs: Sequence[Trajectory], *, log_ids: bool = True,
-             validated: bool = False) -> dict:
-    """One fresh batch: validates (unless the caller did, against `record_limits` or
-    tighter: the learner service at admission), then one optimizer step (k with
-    `minibatches=k`, the batch split into k consecutive updates whose advantages use the
-    whole batch's mean). Returns the last step's metrics; every step is written to the metric
+  def update(self, trajs: Sequence[Trajectory], *, lags: Optional[Sequence[int]] = None,
+             log_ids: bool = True) -> dict:
+    """One fresh batch of admitted records (checked by `trajectory.validate` against
+    `record_limits` or tighter, once, where they were admitted: the learner service, or the
+    caller), then one optimizer step (k with `minibatches=k`, the batch split into k
+    consecutive updates whose advantages use the whole batch's mean). `lags` are the records'
+    policy lags as the caller measured them when it took the batch (default: against the
+    current version). Returns the last step's metrics; every step is written to the metric
     files."""
     c = self.config
-    for t in trajs if not validated else ():
-      validate(t, **self.record_limits)
     k = c.minibatches
     if len(trajs) != c.batch_size * k:
       raise ValueError(f"update() needs batch_size*minibatches = {c.batch_size}*{k} = "
@@ -365,10 +364,16 @@ class Learner:
     reward_mean = float(np.mean([t.reward for t in trajs]))
     adv = self._grpo_advantages(trajs) if c.objective.loss == "grpo" else None
     B = c.batch_size
+    if lags is None:
+      lags = [self.version - t.min_policy_version for t in trajs]
+    lags, v0 = np.asarray(lags, np.int64), self.version
     m, skipped = {}, []
     for j in range(k):
       chunk = trajs[j * B:(j + 1) * B]
-      m = self._apply(chunk, reward_mean, None if adv is None else adv[j * B:(j + 1) * B])
+      # Each update applied before this chunk (k > 1 ablation) puts it one version further
+      # behind.
+      m = self._apply(chunk, lags[j * B:(j + 1) * B] + (self.version - v0), reward_mean,
+                      None if adv is None else adv[j * B:(j + 1) * B])
       if not m["finite"]:  # nothing applied: not an update row (versions stay one per row)
         skipped += m.pop("skipped_traj_ids")
         self.writer.write(m["version"], m, prefix="skipped/")

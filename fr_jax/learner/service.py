@@ -72,11 +72,15 @@ class LearnerService:
     self.publisher = Publisher(learner, hf_export_dir)
     self.controller = controller
     self.inflight = controller.value if controller else int(inflight)
-    # The learner's limits, with the run's length limit if tighter: what passes admission
-    # passes the update, which therefore need not validate again.
+    # Records are validated once, here, with one length limit: the run's (the agent's
+    # max_total_tokens), which config validation keeps within what a packed row holds, or
+    # else the row's. The learner's update takes them as they are.
     limits = learner.record_limits
-    self.limits = dict(limits, max_length=min(max_length or limits["max_length"],
-                                              limits["max_length"]))
+    if max_length is not None and max_length > limits["max_length"]:
+      raise ValueError(f"max_length={max_length} exceeds what a packed row holds "
+                       f"({limits['max_length']}); raise packing.row_len")
+    self.limits = dict(limits, max_length=max_length or limits["max_length"])
+    self._taken_lag: dict[str, int] = {}  # traj_id -> policy lag when the batch was taken
     self.encode, self.decode = encode, decode
     self._lock = threading.Lock()  # counters and the workers table
     self._admit = threading.Condition()  # the producer table and in-flight admissions
@@ -240,7 +244,7 @@ class LearnerService:
   def next_batch(self, stop: threading.Event) -> Optional[list[Trajectory]]:
     """The next B admitted trajectories in arrival order (stale ones dead-lettered), or None
     when stopped (anything taken goes back to the queue)."""
-    batch = []
+    batch, self._taken_lag = [], {}
     while len(batch) < self.B:
       if stop.is_set() or self.shutdown.is_set():
         self.queue.push_front(batch)
@@ -252,13 +256,15 @@ class LearnerService:
       if self.max_lag >= 0 and lag > self.max_lag:
         self._dead_letter([t], "stale", f"lag {lag} > max_policy_lag {self.max_lag} at take")
         continue
+      self._taken_lag[t.traj_id] = lag
       batch.append(t)
     return batch
 
   def step(self, batch: list[Trajectory]) -> dict:
     t0 = time.perf_counter()
-    lags = {t.traj_id: self.lag(t) for t in batch}
-    m = self.learner.update(batch, validated=True)  # at admission, with self.limits
+    # The lags measured when the batch was taken (no update ran since).
+    lags = {t.traj_id: self._taken_lag.get(t.traj_id, self.lag(t)) for t in batch}
+    m = self.learner.update(batch, lags=[lags[t.traj_id] for t in batch])
     skipped = set(m.get("skipped_traj_ids") or ())
     if skipped:
       self._quarantine([t for t in batch if t.traj_id in skipped])

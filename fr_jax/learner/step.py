@@ -7,6 +7,12 @@ gives exactly the one-pass gradient. The last micro-batch applies one optimizer 
 
 A batch whose loss or gradient norm is not finite applies nothing: the state is kept and
 `skipped` is incremented.
+
+Each micro-batch also returns per-trajectory values [S] (`SEGMENT_VALUES`: the gate's D_i
+and decision, the sums of |log pi - log mu| and of the Bernoulli KL over the action tokens):
+the learner splits them on the host by what only the host knows per record (policy lag, response
+length, advantage sign; `fr_jax.learner.diagnostics`). The ratio and KL are computed once,
+here, from the objective's own outputs.
 """
 
 from __future__ import annotations
@@ -52,12 +58,17 @@ def init_state(params, optimizer: optax.GradientTransformation) -> TrainState:
 
 
 _SUMS = ("loss", "admitted", "trajectories", "tokens", "seq_kl_sum", "ratio_sum",
-         "entropy_sum", "token_kl_sum")
+         "entropy_sum", "token_kl_sum", "ratio_outside", "admitted_tokens",
+         "admitted_ratio_sum", "admitted_ratio_sq_sum")
 _MAXES = ("seq_kl_max", "ratio_max")
+SEGMENT_VALUES = ("seq_kl", "admitted", "abs_dlogp_sum", "token_kl_sum")
+# Importance ratios outside [1/RATIO_BAND, RATIO_BAND] are counted (`ratio_outside_frac`).
+RATIO_BAND = 2.0
 
 
 def _grads_and_sums(params, batch, stats: obj.BatchStats, sc: StepConfig):
-  """Gradient and metric sums of one micro-batch's share of the batch objective."""
+  """Gradient, metric sums and per-trajectory values [S] of one micro-batch's share of the
+  batch objective."""
 
   def loss_fn(params):
     logp, entropy = decoder.score_packed(params, sc.model, batch.tokens, batch.targets,
@@ -91,22 +102,37 @@ def _grads_and_sums(params, batch, stats: obj.BatchStats, sc: StepConfig):
   logp = jax.lax.stop_gradient(logp)
   # A supervised target is the policy's own action: ratio 1, KL 0, every sequence admitted.
   behavior = logp if sc.loss == "sft" else batch.behavior_logp
-  rho = jnp.where(mask, jnp.exp(logp - behavior), 0.0)
+  log_rho = jnp.where(mask, logp - behavior, 0.0)
+  rho = jnp.where(mask, jnp.exp(log_rho), 0.0)
   seq_kl = aux.get("seq_kl", jnp.zeros(valid.shape, f32))
-  admitted = aux.get("admitted", valid)
+  admitted = aux.get("admitted", valid) & valid
   d = jnp.where(mask, obj.bernoulli_kl(behavior, logp), 0.0)
+  S = valid.shape[0]
+  token_admitted = mask & jnp.concatenate([jnp.zeros((1,), bool), admitted])[batch.segment_ids]
+  rho_admitted = jnp.where(token_admitted, rho, 0.0)
+  outside = mask & ((rho > RATIO_BAND) | (rho < 1.0 / RATIO_BAND))
   sums = {
       "loss": loss,
-      "admitted": (admitted & valid).sum().astype(f32),
+      "admitted": admitted.sum().astype(f32),
       "trajectories": valid.sum().astype(f32),
       "tokens": n_tok,
       "seq_kl_sum": jnp.where(valid, seq_kl, 0.0).sum(),
       "ratio_sum": rho.sum(),
       "entropy_sum": jnp.where(mask, entropy, 0.0).sum(),
       "token_kl_sum": d.sum(),
+      "ratio_outside": outside.sum().astype(f32),
+      "admitted_tokens": token_admitted.sum().astype(f32),
+      "admitted_ratio_sum": rho_admitted.sum(),
+      "admitted_ratio_sq_sum": (rho_admitted * rho_admitted).sum(),
   }
   maxes = {"seq_kl_max": jnp.where(valid, seq_kl, 0.0).max(), "ratio_max": rho.max()}
-  return grads, sums, maxes
+  segment = {
+      "seq_kl": jnp.where(valid, seq_kl, 0.0),
+      "admitted": admitted,
+      "abs_dlogp_sum": obj.segment_sum(jnp.abs(log_rho), batch.segment_ids, S),
+      "token_kl_sum": obj.segment_sum(d, batch.segment_ids, S),
+  }
+  return grads, sums, maxes, segment
 
 
 def _add(acc, grads, sums, maxes):
@@ -117,18 +143,21 @@ def _add(acc, grads, sums, maxes):
           "maxes": {k: jnp.maximum(acc["maxes"][k], v) for k, v in maxes.items()}}
 
 
-def accumulate(params, acc: Optional[dict], batch, stats, *, sc: StepConfig) -> dict:
-  """A non-final micro-batch: add its gradient and metric sums to `acc` (None to start)."""
-  return _add(acc, *_grads_and_sums(params, batch, stats, sc))
+def accumulate(params, acc: Optional[dict], batch, stats, *, sc: StepConfig):
+  """A non-final micro-batch: adds its gradient and metric sums to `acc` (None to start).
+  Returns (acc, per-trajectory values [S])."""
+  grads, sums, maxes, segment = _grads_and_sums(params, batch, stats, sc)
+  return _add(acc, grads, sums, maxes), segment
 
 
 def update(state: TrainState, acc: Optional[dict], batch, stats, *, sc: StepConfig,
            optimizer: optax.GradientTransformation, lr_schedule):
   """The final micro-batch of a batch: accumulate it, then one guarded optimizer step.
 
-  Returns (state, metrics); metrics are scalars (device arrays).
+  Returns (state, metrics, per-trajectory values [S]); metrics are scalars (device arrays).
   """
-  acc = _add(acc, *_grads_and_sums(state.params, batch, stats, sc))
+  grads, sums, maxes, segment = _grads_and_sums(state.params, batch, stats, sc)
+  acc = _add(acc, grads, sums, maxes)
   grads, sums, maxes = acc["grads"], acc["sums"], acc["maxes"]
   grad_norm = optax.tree.norm(grads)
   ok = jnp.isfinite(sums["loss"]) & jnp.isfinite(grad_norm)
@@ -152,6 +181,12 @@ def update(state: TrainState, acc: Optional[dict], batch, stats, *, sc: StepConf
       "token_kl_mean": sums["token_kl_sum"] / n_tok,
       "ratio_mean": sums["ratio_sum"] / n_tok,
       "ratio_max": maxes["ratio_max"],
+      "ratio_outside_frac": sums["ratio_outside"] / n_tok,
+      # Kish's effective sample size of the admitted tokens' importance weights, as a
+      # fraction of them: (sum rho)^2 / (n sum rho^2); 1 when every ratio is equal.
+      "ess_fraction": sums["admitted_ratio_sum"] ** 2
+                      / jnp.maximum(sums["admitted_tokens"] * sums["admitted_ratio_sq_sum"],
+                                    1e-30),
       "entropy": sums["entropy_sum"] / n_tok,
       "grad_norm": grad_norm,
       "lr": lr_schedule(state.step),
@@ -159,4 +194,4 @@ def update(state: TrainState, acc: Optional[dict], batch, stats, *, sc: StepConf
       "trajectories": sums["trajectories"],
       "finite": ok,
   }
-  return new_state, metrics
+  return new_state, metrics, segment

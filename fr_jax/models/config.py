@@ -14,7 +14,9 @@ ATTENTION_IMPLS = ("auto", "naive", "flash", "pallas_gpu", "splash_tpu")
 
 
 class ConfigError(ValueError):
-  """A model config fr_jax cannot build, naming the field and what to do."""
+  """A config fr_jax cannot run (a model's, the learner's or the run's), naming the field
+  and what to do. The one ConfigError: `fr_jax.learner.config` and `fr_jax.config` export
+  this class."""
 
 
 def check_attention(impl: str, field: str = "attention") -> str:
@@ -89,6 +91,12 @@ class ModelConfig:
     matmul = self.num_layers * (D * q + 2 * D * kv + q * D + 3 * D * F) + D * V
     attn = self.num_layers * 2 * q * (seq_len / 2)
     return 2.0 * matmul + 2.0 * attn
+
+  def train_flops(self, rows: int, row_len: int) -> float:
+    """Model FLOPs of one training pass (forward + backward, 3x the forward) over `rows`
+    packed rows of `row_len` positions: what MFU counts (the learner, `launch.compile_check`).
+    Remat's recomputation is hardware work, not model work, and is not counted."""
+    return 3.0 * self.flops_per_token(row_len) * rows * row_len
 
   def inv_freq(self) -> np.ndarray:
     """RoPE inverse frequencies [head_dim/2] (float64), with Llama-3 scaling if configured."""

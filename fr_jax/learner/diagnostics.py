@@ -1,0 +1,55 @@
+"""Per-batch diagnostics that need to know each record: the split metrics of docs/learner.md.
+
+The update step returns, per trajectory, the gate's D_i and decision and the sums of
+|log pi - log mu| and of the Bernoulli KL over its action tokens (`step.SEGMENT_VALUES`).
+Only the host knows each record's policy lag, response length and advantage, so the splits
+are made here, in NumPy, after the step:
+
+* **mismatch by policy lag** (`mismatch/lag_{0,1,2_3,4plus}/...`): at lag 0 the learner
+  scores the very weights that sampled, so what is left is the engine's numerical mismatch;
+  at higher lags staleness drift adds to it. Per bucket: the token mean of |delta log p|
+  (`abs_dlogp`) and of the Bernoulli KL (`token_kl`), the mean of D_i (`kl_proxy`, what the
+  gate bounds) and the number of trajectories.
+* **the gate's acceptance by response length** (`gate/acceptance_len_q{1..4}`): records sorted
+  by completion length and cut into four groups of equal size (by rank, so ties may straddle
+  a cut); `gate/len_q{k}_max` is each group's longest response.
+* **the gate's acceptance by advantage sign** (`gate/acceptance_adv_{pos,neg,zero}`).
+
+A bucket with no record is left out of the row (no NaN in metrics.jsonl).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# (name, lowest lag, highest lag) of the mismatch buckets.
+LAG_BUCKETS = (("0", 0, 0), ("1", 1, 1), ("2_3", 2, 3), ("4plus", 4, np.iinfo(np.int64).max))
+
+
+def split_metrics(*, lag_B, action_tokens_B, response_len_B, advantage_B, admitted_B,
+                  seq_kl_B, abs_dlogp_sum_B, token_kl_sum_B) -> dict:
+  """The split metrics of one batch of B records (every argument is [B], in record order)."""
+  lag = np.asarray(lag_B)
+  tokens = np.asarray(action_tokens_B, np.float64)
+  admitted = np.asarray(admitted_B, np.float64)
+  out = {}
+  for name, lo, hi in LAG_BUCKETS:
+    sel = (lag >= lo) & (lag <= hi)
+    if not sel.any():
+      continue
+    n_tok = max(tokens[sel].sum(), 1.0)
+    out[f"mismatch/lag_{name}/abs_dlogp"] = float(np.sum(abs_dlogp_sum_B, where=sel) / n_tok)
+    out[f"mismatch/lag_{name}/token_kl"] = float(np.sum(token_kl_sum_B, where=sel) / n_tok)
+    out[f"mismatch/lag_{name}/kl_proxy"] = float(np.mean(np.asarray(seq_kl_B)[sel]))
+    out[f"mismatch/lag_{name}/trajectories"] = int(sel.sum())
+  length = np.asarray(response_len_B)
+  order = np.argsort(length, kind="stable")
+  for q, idx in enumerate(np.array_split(order, 4), start=1):
+    if idx.size:
+      out[f"gate/acceptance_len_q{q}"] = float(admitted[idx].mean())
+      out[f"gate/len_q{q}_max"] = int(length[idx].max())
+  adv = np.asarray(advantage_B, np.float64)
+  for name, sel in (("pos", adv > 0), ("neg", adv < 0), ("zero", adv == 0)):
+    if sel.any():
+      out[f"gate/acceptance_adv_{name}"] = float(admitted[sel].mean())
+  return out

@@ -1,0 +1,122 @@
+"""The learner's split metrics (docs/learner.md "Metrics"): engine mismatch by policy lag,
+importance-ratio band, the gate's acceptance by response length and advantage sign, and the
+effective sample size, against hand-derived values and against a NumPy recomputation from an
+independent per-record scoring of the same batch."""
+
+import math
+
+import numpy as np
+import pytest
+
+from fr_jax.learner import diagnostics, synthetic
+from fr_jax.learner.learner import Learner
+from fr_jax.learner.metrics import read_jsonl
+from fr_jax.models import decoder, registry
+from tests.np_reference import bern_kl
+from tests.test_learner import tiny_config
+
+
+def test_split_metrics_hand_derived():
+  m = diagnostics.split_metrics(
+      lag_B=[0, 0, 1, 5], action_tokens_B=[2, 3, 4, 1], response_len_B=[10, 40, 20, 30],
+      advantage_B=[0.5, -0.5, 0.0, 1.0], admitted_B=[1, 1, 1, 0],
+      seq_kl_B=[0.01, 0.03, 0.1, 0.5], abs_dlogp_sum_B=[0.2, 0.3, 2.0, 1.0],
+      token_kl_sum_B=[0.02, 0.03, 0.4, 0.5])
+  want = {
+      # lag 0: records 0 and 1, 5 action tokens
+      "mismatch/lag_0/abs_dlogp": 0.5 / 5, "mismatch/lag_0/token_kl": 0.05 / 5,
+      "mismatch/lag_0/kl_proxy": 0.02, "mismatch/lag_0/trajectories": 2,
+      "mismatch/lag_1/abs_dlogp": 0.5, "mismatch/lag_1/token_kl": 0.1,
+      "mismatch/lag_1/kl_proxy": 0.1, "mismatch/lag_1/trajectories": 1,
+      "mismatch/lag_4plus/abs_dlogp": 1.0, "mismatch/lag_4plus/token_kl": 0.5,
+      "mismatch/lag_4plus/kl_proxy": 0.5, "mismatch/lag_4plus/trajectories": 1,
+      # lengths sorted: 10 (record 0), 20 (2), 30 (3), 40 (1); record 3 was refused
+      "gate/acceptance_len_q1": 1.0, "gate/len_q1_max": 10,
+      "gate/acceptance_len_q2": 1.0, "gate/len_q2_max": 20,
+      "gate/acceptance_len_q3": 0.0, "gate/len_q3_max": 30,
+      "gate/acceptance_len_q4": 1.0, "gate/len_q4_max": 40,
+      "gate/acceptance_adv_pos": 0.5, "gate/acceptance_adv_neg": 1.0,
+      "gate/acceptance_adv_zero": 1.0,
+  }
+  assert set(m) == set(want)  # no lag 2-3 record: that bucket is left out, not NaN
+  for k, v in want.items():
+    assert m[k] == pytest.approx(v, rel=1e-12), k
+
+
+def _independent_logp(params, cfg, t) -> np.ndarray:
+  """Log-probs of a record's completion tokens from one unpacked forward pass of that record
+  alone, log-softmax in float64 (no packing, no segment sums)."""
+  tokens = t.tokens
+  pos = np.arange(tokens.shape[0])
+  h, _ = decoder.forward(params, cfg, tokens[None], pos[None])
+  logits = np.asarray(decoder.logits_from_hidden(params, cfg, h)[0], np.float64)
+  lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+  P = t.prompt_tokens.shape[0]
+  rows = np.arange(P - 1, tokens.shape[0] - 1)
+  return logits[rows, tokens[P:]] - lse[rows]
+
+
+def test_learner_split_metrics_equal_a_numpy_recomputation(tmp_path):
+  model = registry.load("tiny-llama")
+  it = iter(synthetic.dataset(seed=3, vocab_size=256, max_len=100).to_iter_dataset())
+  trajs = synthetic.take(it, 8)
+  rng = np.random.default_rng(0)
+  # Behaviour log-probs: the model's own, pushed down by a per-record amount, so the
+  # records span both sides of the gate and of the ratio band.
+  shift = [0.0, 0.0, 0.05, 0.2, 0.5, 1.0, 2.0, 4.0]
+  lp = []
+  for t, s in zip(trajs, shift):
+    lp_t = _independent_logp(model.params, model.config, t)
+    noise = s * rng.uniform(0.5, 1.5, lp_t.shape)
+    t.behavior_logp = np.where(t.action_mask, lp_t - noise, 0.0).astype(np.float32)
+    t.reward = float(rng.normal())
+    lp.append(lp_t)
+  mask = [t.action_mask for t in trajs]
+  blogp = [t.behavior_logp.astype(np.float64) for t in trajs]
+  d = [np.array([bern_kl(math.exp(b), math.exp(a)) for a, b in zip(x[k], y[k])])
+       for x, y, k in zip(lp, blogp, mask)]
+  D = np.array([di.mean() for di in d])
+  delta = float(np.sqrt(np.sort(D)[3] * np.sort(D)[4]))  # half the records pass the gate
+  learner = Learner(tiny_config(**{"objective.delta": delta, "log.dir": str(tmp_path)}),
+                    model=model)
+  lags = [0, 0, 1, 2, 3, 4, 9, 0]
+  m = learner.update(trajs, lags=lags)
+
+  # The reference, in NumPy from the independent scores.
+  dlogp = [np.abs(a - b)[k] for a, b, k in zip(lp, blogp, mask)]
+  admitted = D <= delta
+  assert admitted.sum() == 4
+  lags = np.array(lags)
+  for name, sel in (("0", lags == 0), ("1", lags == 1), ("2_3", (lags >= 2) & (lags <= 3)),
+                    ("4plus", lags >= 4)):
+    idx = np.flatnonzero(sel)
+    n_tok = sum(mask[i].sum() for i in idx)
+    assert m[f"mismatch/lag_{name}/abs_dlogp"] == pytest.approx(
+        sum(dlogp[i].sum() for i in idx) / n_tok, rel=2e-4, abs=2e-6)
+    assert m[f"mismatch/lag_{name}/token_kl"] == pytest.approx(
+        sum(d[i].sum() for i in idx) / n_tok, rel=2e-3, abs=1e-6)
+    assert m[f"mismatch/lag_{name}/kl_proxy"] == pytest.approx(D[idx].mean(), rel=2e-3,
+                                                                abs=1e-6)
+    assert m[f"mismatch/lag_{name}/trajectories"] == len(idx)
+  rho = np.concatenate([np.exp(a - b)[k] for a, b, k in zip(lp, blogp, mask)])
+  assert m["ratio_mean"] == pytest.approx(rho.mean(), rel=1e-4)
+  assert m["ratio_max"] == pytest.approx(rho.max(), rel=1e-4)
+  outside = ((rho < 0.5) | (rho > 2.0)).mean()
+  assert 0 < outside < 1
+  assert m["ratio_outside_frac"] == pytest.approx(outside, abs=1e-6)
+  w = np.concatenate([np.exp(a - b)[k] for a, b, k, ok in zip(lp, blogp, mask, admitted)
+                      if ok])
+  assert m["ess_fraction"] == pytest.approx(w.sum() ** 2 / (w.size * (w ** 2).sum()), rel=1e-4)
+  assert m["acceptance_rate"] == pytest.approx(admitted.mean())
+  lengths = np.array([t.completion_tokens.shape[0] for t in trajs])
+  for q, idx in enumerate(np.array_split(np.argsort(lengths, kind="stable"), 4), start=1):
+    assert m[f"gate/acceptance_len_q{q}"] == pytest.approx(admitted[idx].mean())
+  rewards = np.array([t.reward for t in trajs])
+  adv = rewards - rewards.mean()  # batch-centred advantages
+  assert m["gate/acceptance_adv_pos"] == pytest.approx(admitted[adv > 0].mean())
+  assert m["gate/acceptance_adv_neg"] == pytest.approx(admitted[adv < 0].mean())
+  # The same row is in metrics.jsonl.
+  learner.close()
+  (row,) = read_jsonl(tmp_path / "metrics.jsonl")
+  assert row["mismatch/lag_0/abs_dlogp"] == pytest.approx(m["mismatch/lag_0/abs_dlogp"])
+  assert row["gate/acceptance_len_q4"] == m["gate/acceptance_len_q4"]

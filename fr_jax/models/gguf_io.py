@@ -1,5 +1,22 @@
-"""GGUF import with the `gguf` package: metadata -> ModelConfig, tensors dequantized to
-float32, and the rope permutation that llama.cpp's converter applies to Llama Q/K undone.
+"""GGUF import and export with the `gguf` package.
+
+Import (`load_gguf`): metadata -> ModelConfig, tensors dequantized to float32, and the rope
+permutation that llama.cpp's converter applies to Llama Q/K undone.
+
+Export (`save_gguf`) is its exact inverse: the same tensor names, the Llama Q/K rows
+permuted back, and every metadata key `config_from_gguf` reads, plus what llama.cpp (and so
+Ollama) needs to run the file: `{arch}.rope.dimension_count`, `general.file_type`, and the
+tokenizer (`tokenizer.ggml.*`, `tokenizer.chat_template`). The tokenizer is copied from the
+GGUF the model came from (`tokenizer_kv_from_gguf`) or built from a byte-level BPE
+`tokenizers` tokenizer (`tokenizer_kv_from_tokenizer`); the token list is padded with unused
+`[PAD{i}]` entries to the embedding's rows, as llama.cpp's converter does, and bos/eos are the
+config's ids where it has them (else the tokenizer's). One gap: a plain GPT-2 pre-tokenizer
+with merges is written as llama.cpp's "gpt-2", which `Tokenizer.from_gguf` does not yet read
+(it knows "gpt2"); SmolLM, Qwen2 and Llama-3 pre-tokenizers get names both read. Tensors are
+written one at a time (the header first, from shapes alone), so an export holds one converted
+tensor beside the parameters. Types: f32; f16 (1-D tensors stay f32, as llama.cpp's
+converter keeps them); q8_0 (2-D tensors whose rows are whole 32-blocks; other 2-D tensors
+f16, 1-D f32).
 
 llama.cpp stores Llama q/k rows interleaved for its rope kernel: per head, HF row
 (j, half h) goes to row 2j + h. Qwen2/Qwen3 GGUFs use the NeoX layout and are not permuted.
@@ -7,13 +24,20 @@ llama.cpp stores Llama q/k rows interleaved for its rope kernel: per head, HF ro
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 from pathlib import Path
+from typing import Optional
 
 import gguf
 import numpy as np
+from gguf.gguf_writer import GGUFValue
 
 from fr_jax.models.config import ModelConfig
-from fr_jax.models.hf_io import CheckpointError, params_from_hf_tensors
+from fr_jax.models.hf_io import CheckpointError, iter_hf_tensors, params_from_hf_tensors
+
+log = logging.getLogger("fr_jax.models.gguf_io")
 
 _ARCH_FAMILY = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
@@ -121,3 +145,251 @@ def load_gguf(path, *, param_dtype: str = "float32", compute_dtype: str = "float
     tensors[name] = a
   params = params_from_hf_tensors(tensors, cfg, source=str(path))
   return cfg, params, reader
+
+
+# --- export ------------------------------------------------------------------------------------
+
+GGUF_DTYPES = ("f32", "f16", "q8_0")
+_FILE_TYPE = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+              "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
+_GGUF_OF_HF = {**{hf: g for g, hf in _TOP.items()},
+               **{f"layer.{hf}": g for g, hf in _LAYER.items()}}
+_T = gguf.GGMLQuantizationType
+_V = gguf.GGUFValueType
+
+
+def _gguf_name(hf_name: str) -> str:
+  if hf_name.startswith("model.layers."):
+    i, rest = hf_name.removeprefix("model.layers.").split(".", 1)
+    return f"blk.{i}.{_GGUF_OF_HF[f'layer.{rest}']}"
+  return _GGUF_OF_HF[hf_name]
+
+
+def _tensor_type(shape, dtype: str):
+  """llama.cpp's converter's choice: 1-D tensors (norms, biases) stay f32; q8_0 needs rows of
+  whole 32-value blocks and falls back to f16 for others."""
+  if dtype == "f32" or len(shape) == 1:
+    return _T.F32
+  block, _ = gguf.GGML_QUANT_SIZES[_T.Q8_0]
+  return _T.Q8_0 if dtype == "q8_0" and shape[-1] % block == 0 else _T.F16
+
+
+def _encode(a: np.ndarray, qtype) -> np.ndarray:
+  a = np.ascontiguousarray(a, np.float32)
+  if qtype == _T.F32:
+    return a
+  if qtype == _T.F16:
+    return a.astype(np.float16)
+  return gguf.quants.quantize(a, qtype)
+
+
+def check_gguf_exportable(cfg: ModelConfig) -> None:
+  """Raises CheckpointError for what `load_gguf` (and so this writer) cannot represent."""
+  if cfg.family not in _ARCH_FAMILY.values():
+    raise CheckpointError(f"family {cfg.family!r} has no GGUF architecture here "
+                          f"({sorted(_ARCH_FAMILY)}); export --format=hf")
+  if cfg.rope_llama3 is not None:
+    raise CheckpointError(f"rope_llama3={cfg.rope_llama3}: Llama-3 rope scaling goes in GGUF "
+                          "as a rope_freqs tensor, which fr_jax does not read or write; "
+                          "export --format=hf")
+  if cfg.o_bias or cfg.mlp_bias:
+    raise CheckpointError(f"o_bias={cfg.o_bias}, mlp_bias={cfg.mlp_bias}: output-projection "
+                          "and MLP biases have no GGUF tensor names here; export --format=hf")
+
+
+def tokenizer_kv_from_gguf(reader) -> dict[str, GGUFValue]:
+  """Every `tokenizer.*` field of a GGUF (vocabulary, merges, token types, special ids, chat
+  template), with its stored types, for `save_gguf`."""
+  out = {}
+  for key, f in reader.fields.items():
+    if key.startswith("tokenizer."):
+      vtype = _V(f.types[0])
+      sub = _V(f.types[-1]) if vtype == _V.ARRAY else None
+      out[key] = GGUFValue(f.contents(), vtype, sub)
+  return out
+
+
+def _pre_semantics(node):
+  """The parts of a `tokenizers` pre-tokenizer spec that change how text is split."""
+  if not isinstance(node, dict):
+    return node
+  keep = ("type", "use_regex", "add_prefix_space", "individual_digits", "pattern",
+          "behavior", "invert")
+  out = {k: node[k] for k in keep if k in node}
+  if "pretokenizers" in node:
+    out["pretokenizers"] = [_pre_semantics(p) for p in node["pretokenizers"]]
+  return out
+
+
+# fr_jax's pre-tokenizer names (`tokenizer._pre_tokenizer`) -> llama.cpp's `tokenizer.ggml.pre`
+# (llama.cpp spells GPT-2's "gpt-2"; fr_jax's reader knows it as "gpt2").
+_LLAMA_CPP_PRE = {"gpt2": "gpt-2", "smollm": "smollm", "qwen2": "qwen2",
+                  "llama-bpe": "llama-bpe"}
+
+
+def _gguf_pre(spec: Optional[dict], has_merges: bool) -> str:
+  """The `tokenizer.ggml.pre` whose splitting is `spec`'s: the llama.cpp name of the fr_jax
+  pre-tokenizer (`tokenizer._pre_tokenizer`) that serialises to the same splitting rules."""
+  import tokenizers
+  from fr_jax.models import tokenizer as toklib
+  want = _pre_semantics(spec)
+  for name, llama_cpp_name in _LLAMA_CPP_PRE.items():
+    t = tokenizers.Tokenizer(tokenizers.models.BPE())
+    t.pre_tokenizer = toklib._pre_tokenizer(name)
+    if _pre_semantics(json.loads(t.to_str())["pre_tokenizer"]) == want:
+      return llama_cpp_name
+  if not has_merges and want == {"type": "ByteLevel", "use_regex": False,
+                                 "add_prefix_space": False}:
+    # With no merges every byte is its own token however text is split; "default" is a
+    # name both llama.cpp and fr_jax's reader accept.
+    return "default"
+  raise CheckpointError(f"pre-tokenizer {json.dumps(spec)[:300]} is not one fr_jax maps to a "
+                        f"llama.cpp pre-type ({', '.join(_LLAMA_CPP_PRE)}); "
+                        "export --format=hf")
+
+
+def tokenizer_kv_from_tokenizer(tok) -> dict[str, GGUFValue]:
+  """GGUF tokenizer fields for a byte-level BPE tokenizer (a `fr_jax.models.tokenizer.
+  Tokenizer`), the inverse of `Tokenizer.from_gguf`: token types 3 (control) for special
+  added tokens, 4 (user-defined) for other added tokens, 1 for the rest."""
+  spec = json.loads(tok.tok.to_str())
+  model = spec.get("model") or {}
+  if model.get("type") != "BPE" or (spec.get("decoder") or {}).get("type") != "ByteLevel":
+    raise CheckpointError(f"tokenizer model {model.get('type')!r} with decoder "
+                          f"{(spec.get('decoder') or {}).get('type')!r}: only byte-level BPE "
+                          "(GPT-2 style) tokenizers can be written to GGUF; export --format=hf")
+  norm = (spec.get("normalizer") or {}).get("type")
+  if norm not in (None, "NFC"):
+    raise CheckpointError(f"tokenizer normalizer {norm!r} has no llama.cpp equivalent; "
+                          "export --format=hf")
+  merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+  ids = dict(model["vocab"])
+  types = {i: 1 for i in ids.values()}
+  for a in spec.get("added_tokens", []):
+    ids[a["content"]] = a["id"]
+    types[a["id"]] = 3 if a.get("special") else 4
+  n = max(ids.values()) + 1
+  tokens = [f"[PAD{i}]" for i in range(n)]
+  type_list = [int(gguf.TokenType.UNUSED)] * n
+  for t, i in ids.items():
+    tokens[i], type_list[i] = t, types[i]
+  out = {"tokenizer.ggml.model": GGUFValue("gpt2", _V.STRING),
+         "tokenizer.ggml.pre": GGUFValue(_gguf_pre(spec.get("pre_tokenizer"), bool(merges)),
+                                         _V.STRING),
+         "tokenizer.ggml.tokens": GGUFValue(tokens, _V.ARRAY, _V.STRING),
+         "tokenizer.ggml.token_type": GGUFValue(type_list, _V.ARRAY, _V.INT32),
+         "tokenizer.ggml.merges": GGUFValue(merges, _V.ARRAY, _V.STRING),
+         "tokenizer.ggml.add_bos_token": GGUFValue(bool(tok.add_bos), _V.BOOL)}
+  for key, token in (("bos", tok.bos_token), ("eos", tok.eos_token)):
+    if token is not None and tok.token_id(token) is not None:
+      out[f"tokenizer.ggml.{key}_token_id"] = GGUFValue(tok.token_id(token), _V.UINT32)
+  if tok.chat_template:
+    out["tokenizer.chat_template"] = GGUFValue(tok.chat_template, _V.STRING)
+  return out
+
+
+def _fit_vocab(kv: dict[str, GGUFValue], cfg: ModelConfig) -> dict[str, GGUFValue]:
+  """Pads the token list to the embedding's rows (llama.cpp sizes its vocabulary by the list)
+  and sets the config's bos/eos ids where it has them (what `config_from_gguf` reads back)."""
+  kv = dict(kv)
+  if "tokenizer.ggml.tokens" not in kv:
+    raise CheckpointError("the tokenizer fields have no tokenizer.ggml.tokens")
+  tokens = list(kv["tokenizer.ggml.tokens"].value)
+  V = cfg.vocab_size
+  if len(tokens) > V:
+    raise CheckpointError(f"the tokenizer has {len(tokens)} tokens but the model's embedding "
+                          f"has {V} rows: this tokenizer is not the model's")
+  types = list(kv.get("tokenizer.ggml.token_type", GGUFValue([1] * len(tokens), _V.ARRAY,
+                                                             _V.INT32)).value)
+  pad = range(len(tokens), V)
+  kv["tokenizer.ggml.tokens"] = GGUFValue(tokens + [f"[PAD{i}]" for i in pad], _V.ARRAY,
+                                          _V.STRING)
+  kv["tokenizer.ggml.token_type"] = GGUFValue(types + [int(gguf.TokenType.UNUSED)] * len(pad),
+                                              _V.ARRAY, _V.INT32)
+  for key, i in (("bos", cfg.bos_token_id), ("eos", cfg.eos_token_id)):
+    if i is not None:
+      kv[f"tokenizer.ggml.{key}_token_id"] = GGUFValue(int(i), _V.UINT32)
+  return kv
+
+
+class _Writer(gguf.GGUFWriter):
+  """GGUFWriter that also writes empty arrays (a byte-level tokenizer has no merges, and
+  llama.cpp requires the key); the gguf package refuses them."""
+
+  def _pack_val(self, val, vtype, add_vtype, sub_type=None):
+    if vtype == _V.ARRAY and sub_type is not None and len(val) == 0:
+      return ((self._pack("I", vtype) if add_vtype else b"") + self._pack("I", sub_type)
+              + self._pack("Q", 0))
+    return super()._pack_val(val, vtype, add_vtype, sub_type)
+
+
+def save_gguf(path, params, cfg: ModelConfig, tokenizer_kv: dict[str, GGUFValue], *,
+              dtype: str = "f32", name: str = "") -> Path:
+  """Writes `params` (fr_jax layout, NumPy or JAX, any float dtype) as one GGUF file that
+  `load_gguf` and llama.cpp read. `tokenizer_kv` comes from `tokenizer_kv_from_gguf` or
+  `tokenizer_kv_from_tokenizer`. The file is written under a temporary name and renamed."""
+  if dtype not in GGUF_DTYPES:
+    raise CheckpointError(f"GGUF dtype {dtype!r}: choose one of {GGUF_DTYPES}")
+  check_gguf_exportable(cfg)
+  path = Path(path)
+  arch = next(a for a, fam in _ARCH_FAMILY.items() if fam == cfg.family)
+  w = _Writer(None, arch)
+  if name:
+    w.add_name(name)
+  w.add_file_type(int(_FILE_TYPE[dtype]))
+  if dtype == "q8_0":
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+  w.add_vocab_size(cfg.vocab_size)
+  w.add_context_length(cfg.max_position_embeddings)
+  w.add_embedding_length(cfg.hidden_size)
+  w.add_block_count(cfg.num_layers)
+  w.add_feed_forward_length(cfg.intermediate_size)
+  w.add_head_count(cfg.num_heads)
+  w.add_head_count_kv(cfg.num_kv_heads)
+  w.add_key_length(cfg.head_dim)
+  w.add_value_length(cfg.head_dim)
+  w.add_rope_dimension_count(cfg.head_dim)
+  w.add_rope_freq_base(cfg.rope_theta)
+  w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+  for key, v in _fit_vocab(tokenizer_kv, cfg).items():
+    w.add_key_value(key, v.value, v.type, v.sub_type)
+
+  permuted = cfg.family == "llama"
+
+  def gguf_tensors():
+    """(GGUF name, HF-layout array view, rows permuted as llama.cpp stores them)."""
+    for hf_name, a in iter_hf_tensors(params, cfg):
+      g = _gguf_name(hf_name)
+      rest = g.split(".", 2)[-1]
+      if permuted and rest.startswith(("attn_q.", "attn_k.")):
+        a = permute_rope(a, cfg.num_heads if rest.startswith("attn_q.") else cfg.num_kv_heads)
+      yield g, a
+
+  total = 0
+  for g, a in gguf_tensors():  # the header: names, shapes, types and sizes, nothing converted
+    qtype = _tensor_type(a.shape, dtype)
+    nbytes = int(np.prod(gguf.quants.quant_shape_to_byte_shape(a.shape, qtype)))
+    if qtype == _T.F16:
+      w.add_tensor_info(g, a.shape, np.dtype(np.float16), nbytes)
+    else:
+      w.add_tensor_info(g, a.shape, np.dtype(np.float32), nbytes, raw_dtype=qtype)
+    total += nbytes
+  tmp = path.with_name(path.name + ".tmp")
+  path.parent.mkdir(parents=True, exist_ok=True)
+  try:
+    w.write_header_to_file(tmp)
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    n = len(w.tensors[0])
+    for k, (g, a) in enumerate(gguf_tensors(), 1):
+      w.write_tensor_data(_encode(a, _tensor_type(a.shape, dtype)))
+      if k % 50 == 0 or k == n:
+        log.info("GGUF %s: %d/%d tensors written", dtype, k, n)
+    w.close()
+  except BaseException:
+    w.close()
+    tmp.unlink(missing_ok=True)
+    raise
+  os.replace(tmp, path)
+  log.info("wrote %s (%.1f MB, %s)", path, path.stat().st_size / 1e6, dtype)
+  return path

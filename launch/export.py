@@ -1,0 +1,266 @@
+r"""Export a training run's checkpoint for serving: a Hugging Face directory or a GGUF file.
+
+  python -m launch.export --checkpoint=runs/demo --format=hf --out=/tmp/demo-hf
+  python -m launch.export --checkpoint=runs/demo --format=gguf --dtype=f16 --out=/tmp/demo-gguf
+  python -m launch.export --checkpoint=runs/demo/checkpoints --step=20 --format=gguf \
+      --dtype=q8_0 --out=/tmp/demo.q8_0.gguf
+
+--checkpoint is a run directory written by `launch.train` (its `checkpoints/` holds the
+Orbax steps) or that `checkpoints/` directory itself; --step picks a committed step (default:
+the newest). Only the parameters are read from the step (an Orbax partial restore, straight
+to host NumPy arrays: no optimizer state, no device copy). The model's config and tokenizer
+come from the run's own config (`model.name`, read as `registry.load` reads it, metadata
+only), so the base model's files must still be where the run found them.
+
+  --format=hf    config.json, model.safetensors (sharded above 5 GiB) and the tokenizer's
+                 files (`hf_io.export_hf`, the learner's own export): transformers, SGLang,
+                 vLLM. --dtype f32 (default) or bf16.
+  --format=gguf  one GGUF file (`gguf_io.save_gguf`, the inverse of fr_jax's loader):
+                 llama.cpp, Ollama. --dtype f32 (default), f16 or q8_0. --out ending in .gguf
+                 names the file; otherwise it is a directory and the file is
+                 model-{dtype}.gguf in it. The tokenizer is copied from the base model's
+                 GGUF, or built from its byte-level BPE tokenizer.
+
+Progress lines go to stderr; the last stdout line is a JSON summary. A bad flag, a missing
+checkpoint or step and a model that cannot be written in the format print one line and exit
+with status 2.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from absl import flags
+
+from launch import common
+
+flags.DEFINE_string("checkpoint", None, "a run directory (with checkpoints/) or its "
+                    "checkpoints/ directory")
+flags.DEFINE_enum("format", None, ["hf", "gguf"], "hf: safetensors directory; gguf: one "
+                  "llama.cpp file")
+flags.DEFINE_string("out", None, "output directory (gguf: or a .gguf file path)")
+flags.DEFINE_integer("step", None, "checkpoint step to export (default: the newest committed)")
+flags.DEFINE_enum("dtype", "f32", ["f32", "bf16", "f16", "q8_0"],
+                  "hf: f32 or bf16; gguf: f32, f16 or q8_0")
+for _name in ("checkpoint", "format", "out"):
+  flags.mark_flag_as_required(_name)
+FLAGS = flags.FLAGS
+
+DTYPES = {"hf": ("f32", "bf16"), "gguf": ("f32", "f16", "q8_0")}
+log = logging.getLogger("fr_jax.export")
+
+
+# --- the checkpoint ----------------------------------------------------------------------------
+
+def committed_steps(d: Path) -> list[int]:
+  """Steps whose save finished: Orbax renames a step's temporary folder to the bare number
+  when it commits (as `Checkpointer.committed_step` reads them)."""
+  return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit() and p.is_dir())
+
+
+def find_step(path: str, step=None) -> tuple[Path, int]:
+  """(checkpoints directory, step) for --checkpoint and --step."""
+  run = Path(path).absolute()
+  if not run.is_dir():
+    raise common.UsageError(f"--checkpoint={path}: no such directory; give a run directory "
+                            "written by launch.train or its checkpoints/ directory")
+  for d in (run / "checkpoints", run):
+    if d.is_dir() and committed_steps(d):
+      steps = committed_steps(d)
+      if step is None:
+        return d, steps[-1]
+      if step not in steps:
+        raise common.UsageError(f"--step={step}: {d} has committed steps {steps}")
+      return d, step
+  hint = ""
+  if (run / "sft" / "checkpoints").is_dir() and committed_steps(run / "sft" / "checkpoints"):
+    hint = f"; the warm start's checkpoints are in {run / 'sft'}: pass --checkpoint={run / 'sft'}"
+  raise common.UsageError(f"--checkpoint={path}: no committed checkpoint in "
+                          f"{run / 'checkpoints'} or {run}{hint}")
+
+
+def read_params(step_dir: Path):
+  """(params as host NumPy arrays, the step's meta record). Only `state.params` is read."""
+  import jax
+  import numpy as np
+  import orbax.checkpoint as ocp
+  from etils import epath
+  state = epath.Path(step_dir) / "state"
+  handler = ocp.PyTreeCheckpointHandler()
+  try:
+    tree = handler.metadata(state).tree
+    if "params" not in tree:
+      raise common.UsageError(f"{state} holds {sorted(tree)}, not a train state with params")
+    item = {"params": jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype),
+                                   tree["params"])}
+    as_numpy = {"params": jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray),
+                                       tree["params"])}
+    params = handler.restore(state, args=ocp.args.PyTreeRestore(
+        item=item, restore_args=as_numpy, partial_restore=True))["params"]
+  finally:
+    handler.close()
+  meta = ocp.JsonCheckpointHandler().restore(epath.Path(step_dir) / "meta")
+  if not isinstance(meta, dict) or "config" not in meta:
+    raise common.UsageError(f"{step_dir}/meta has no run config: not a checkpoint written by "
+                            "the learner")
+  return params, meta
+
+
+# --- the model ---------------------------------------------------------------------------------
+
+def base_model(model_name: str):
+  """(ModelConfig, Tokenizer or None, GGUF reader or None) of a registry name or checkpoint
+  path, by `registry.load`'s rules but from metadata only: no weights are read."""
+  import gguf
+  from fr_jax.models import registry
+  from fr_jax.models.config import from_hf_config
+  from fr_jax.models.gguf_io import config_from_gguf
+  from fr_jax.models.tokenizer import Tokenizer
+  name = model_name
+  if name in registry.TINY_CONFIGS:
+    tok = Tokenizer.byte_level() if name in registry.TINY_TOKENIZED else None
+    return registry.TINY_CONFIGS[name], tok, None
+  if name.startswith("random:"):
+    return registry.shape_config(name.removeprefix("random:")), None, None
+  if name == registry.DEFAULT_MODEL or name.startswith("gguf:") or name.endswith(".gguf"):
+    path = (registry.smollm2_gguf_path() if name == registry.DEFAULT_MODEL
+            else Path(name.removeprefix("gguf:")))
+    if not path.is_file():
+      raise registry.ModelNotFound(f"GGUF file {path} not found")
+    reader = gguf.GGUFReader(str(path))
+    return config_from_gguf(reader), Tokenizer.from_gguf(reader), reader
+  path = Path(name.removeprefix("hf:"))
+  if not (path / "config.json").is_file():
+    raise registry.ModelNotFound(f"{path}/config.json not found")
+  cfg = from_hf_config(json.loads((path / "config.json").read_text()))
+  tok = Tokenizer.from_file(path) if (path / "tokenizer.json").is_file() else None
+  return cfg, tok, None
+
+
+def _flat(tree, prefix=()):
+  if isinstance(tree, dict):
+    for k, v in tree.items():
+      yield from _flat(v, (*prefix, k))
+  else:
+    yield "/".join(prefix), tree
+
+
+def model_of_run(config: dict, params):
+  """The run's ModelConfig (as the learner built it), tokenizer and source GGUF reader,
+  checked against the checkpoint's parameter shapes."""
+  from fr_jax.models import decoder, registry
+  from fr_jax.models.hf_io import CheckpointError
+  m = config["model"]
+  try:
+    cfg, tok, reader = base_model(m["name"])
+  except (registry.ModelNotFound, CheckpointError) as e:
+    raise common.UsageError(f"the run's model.name={m['name']!r}: {e} (a relative path is "
+                            "read from this directory; run from where the run was started)")
+  # As the learner builds it; the head is tied where the checkpoint has no lm_head.
+  cfg = cfg.replace(param_dtype=m["param_dtype"], compute_dtype=m["compute_dtype"],
+                    attention=m["attention"], tie_embeddings="lm_head" not in params)
+  want = dict(_flat(decoder.param_shapes(cfg), ()))
+  got = {k: tuple(a.shape) for k, a in _flat(params)}
+  for k in sorted(set(want) | set(got)):
+    if want.get(k) != got.get(k):
+      raise common.UsageError(f"checkpoint params/{k} has shape {got.get(k)}, but model "
+                              f"{m['name']!r} implies {want.get(k)}: this checkpoint is not "
+                              "that model's")
+  return cfg, tok, reader
+
+
+# --- export ------------------------------------------------------------------------------------
+
+def export(checkpoint: str, fmt: str, out: str, step=None, dtype: str = "f32") -> dict:
+  """Writes the export; returns the summary printed as the last stdout line."""
+  if dtype not in DTYPES[fmt]:
+    raise common.UsageError(f"--dtype={dtype} is not available for --format={fmt}: choose "
+                            f"one of {DTYPES[fmt]}")
+  d, step = find_step(checkpoint, step)
+  t0 = time.perf_counter()
+  log.info("reading step %d from %s (parameters only)", step, d)
+  params, meta = read_params(d / str(step))
+  import numpy as np
+  n = sum(a.size for _, a in _flat(params))
+  nbytes = sum(a.nbytes for _, a in _flat(params))
+  log.info("restored %.1fM parameters (%.0f MB) in %.1fs", n / 1e6, nbytes / 1e6,
+           time.perf_counter() - t0)
+  t1 = time.perf_counter()
+  cfg, tok, reader = model_of_run(meta["config"], params)
+  log.info("model %s (%s family): config and tokenizer read in %.1fs",
+           meta["config"]["model"]["name"], cfg.family, time.perf_counter() - t1)
+  from fr_jax.models import gguf_io, hf_io
+  t1 = time.perf_counter()
+  try:
+    if fmt == "hf":
+      import ml_dtypes
+      np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bf16" else np.dtype(np.float32)
+      params = {k: _cast(v, np_dtype) for k, v in params.items()}
+      cfg = cfg.replace(param_dtype="bfloat16" if dtype == "bf16" else "float32")
+      log.info("writing a Hugging Face directory (%s%s) to %s", dtype,
+               "" if tok is not None else ", no tokenizer: the base model has none", out)
+      path = hf_io.export_hf(out, params, cfg, tok)
+      files = sorted(str(p) for p in path.iterdir() if p.is_file())
+    else:
+      gguf_io.check_gguf_exportable(cfg)
+      if reader is not None:
+        kv = gguf_io.tokenizer_kv_from_gguf(reader)
+        source = f"copied from {getattr(reader.data, 'filename', 'the base GGUF')}"
+      elif tok is not None:
+        kv, source = gguf_io.tokenizer_kv_from_tokenizer(tok), "built from its BPE tokenizer"
+      else:
+        raise common.UsageError(f"model {meta['config']['model']['name']!r} has no "
+                                "tokenizer, and llama.cpp needs one in the GGUF; use "
+                                "--format=hf")
+      path = Path(out) if out.endswith(".gguf") else Path(out) / f"model-{dtype}.gguf"
+      log.info("writing GGUF %s (%s; tokenizer %s)", path, dtype, source)
+      name = f"{meta['config']['model']['name']} fr_jax step {step}"
+      path = gguf_io.save_gguf(path, params, cfg, kv, dtype=dtype, name=name)
+      files = [str(path)]
+  except hf_io.CheckpointError as e:
+    raise common.UsageError(str(e))
+  size = sum(Path(f).stat().st_size for f in files)
+  log.info("done: %s (%.1f MB) in %.1fs", path, size / 1e6, time.perf_counter() - t1)
+  return {"format": fmt, "dtype": dtype, "checkpoint": str(d), "step": step,
+          "model": meta["config"]["model"]["name"], "family": cfg.family, "out": str(path),
+          "files": files, "bytes": size, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def _cast(tree, np_dtype):
+  if isinstance(tree, dict):
+    return {k: _cast(v, np_dtype) for k, v in tree.items()}
+  return tree.astype(np_dtype, copy=False)
+
+
+def _progress_to_stderr():
+  """fr_jax's INFO lines (this script's, the GGUF writer's) on stderr, as `export: ...`; the
+  gguf package's own chatter and Orbax's stay quiet."""
+  h = logging.StreamHandler(sys.stderr)
+  h.setFormatter(logging.Formatter("export: %(message)s"))
+  lg = logging.getLogger("fr_jax")
+  lg.addHandler(h)
+  lg.setLevel(logging.INFO)
+  lg.propagate = False
+  logging.getLogger("gguf").setLevel(logging.WARNING)
+
+
+def main(argv):
+  if len(argv) > 1:
+    common.fail(f"unexpected arguments {argv[1:]}")
+  from absl import logging as absl_logging
+  if not FLAGS["verbosity"].present:
+    absl_logging.set_verbosity(absl_logging.WARNING)
+  _progress_to_stderr()
+  try:
+    summary = export(FLAGS.checkpoint, FLAGS.format, FLAGS.out, FLAGS.step, FLAGS.dtype)
+  except common.UsageError as e:
+    common.fail(str(e))
+  common.print_json(summary)
+
+
+if __name__ == "__main__":
+  common.run(main)

@@ -110,21 +110,16 @@ def fit_mesh(data: int, fsdp: int, n: int) -> tuple[int, int]:
 
 
 def model_shapes(c):
+  """The recipe's ModelConfig: `model.shapes` if set, else `model.name`'s (metadata only)."""
   from fr_jax.models import registry
   if c.model.shapes:
     return registry.shape_config(c.model.shapes)
-  if c.model.name in registry.TINY_CONFIGS:
-    return registry.TINY_CONFIGS[c.model.name]
-  if c.model.name.startswith("random:"):
-    return registry.shape_config(c.model.name.removeprefix("random:"))
-  from fr_jax.models.config import from_hf_config
-  cfg = os.path.join(c.model.name.removeprefix("hf:"), "config.json")
-  if os.path.exists(cfg):
-    with open(cfg) as f:
-      return from_hf_config(json.load(f))
-  raise registry.ModelNotFound(
-      f"model {c.model.name!r}: set --config.model.shapes to one of "
-      f"{sorted(registry.SHAPES)} or point model.name at an HF checkpoint directory")
+  try:
+    return registry.describe(c.model.name).config
+  except registry.ModelNotFound as e:
+    raise registry.ModelNotFound(
+        f"model {c.model.name!r}: {e}; set --config.model.shapes to one of "
+        f"{sorted(registry.SHAPES)} or point model.name at an HF checkpoint directory") from None
 
 
 # How XLA:TPU names the sizes: "... (87.25G) exceeds available HBM (15.75G)", or "Used 20.1G of

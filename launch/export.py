@@ -56,20 +56,15 @@ log = logging.getLogger("fr_jax.export")
 
 # --- the checkpoint ----------------------------------------------------------------------------
 
-def committed_steps(d: Path) -> list[int]:
-  """Steps whose save finished: Orbax renames a step's temporary folder to the bare number
-  when it commits (as `Checkpointer.committed_step` reads them)."""
-  return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit() and p.is_dir())
-
-
 def find_step(path: str, step=None) -> tuple[Path, int]:
   """(checkpoints directory, step) for --checkpoint and --step."""
   run = Path(path).absolute()
   if not run.is_dir():
     raise common.UsageError(f"--checkpoint={path}: no such directory; give a run directory "
                             "written by launch.train or its checkpoints/ directory")
+  from fr_jax.learner.checkpoint import committed_steps
   for d in (run / "checkpoints", run):
-    if d.is_dir() and committed_steps(d):
+    if committed_steps(d):
       steps = committed_steps(d)
       if step is None:
         return d, steps[-1]
@@ -77,69 +72,22 @@ def find_step(path: str, step=None) -> tuple[Path, int]:
         raise common.UsageError(f"--step={step}: {d} has committed steps {steps}")
       return d, step
   hint = ""
-  if (run / "sft" / "checkpoints").is_dir() and committed_steps(run / "sft" / "checkpoints"):
+  if committed_steps(run / "sft" / "checkpoints"):
     hint = f"; the warm start's checkpoints are in {run / 'sft'}: pass --checkpoint={run / 'sft'}"
   raise common.UsageError(f"--checkpoint={path}: no committed checkpoint in "
                           f"{run / 'checkpoints'} or {run}{hint}")
 
 
 def read_params(step_dir: Path):
-  """(params as host NumPy arrays, the step's meta record). Only `state.params` is read."""
-  import jax
-  import numpy as np
-  import orbax.checkpoint as ocp
-  from etils import epath
-  state = epath.Path(step_dir) / "state"
-  handler = ocp.PyTreeCheckpointHandler()
+  """(params as host NumPy arrays, the step's meta record): `checkpoint.restore_params`."""
+  from fr_jax.learner.checkpoint import restore_params
   try:
-    tree = handler.metadata(state).tree
-    if "params" not in tree:
-      raise common.UsageError(f"{state} holds {sorted(tree)}, not a train state with params")
-    item = {"params": jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype),
-                                   tree["params"])}
-    as_numpy = {"params": jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray),
-                                       tree["params"])}
-    params = handler.restore(state, args=ocp.args.PyTreeRestore(
-        item=item, restore_args=as_numpy, partial_restore=True))["params"]
-  finally:
-    handler.close()
-  meta = ocp.JsonCheckpointHandler().restore(epath.Path(step_dir) / "meta")
-  if not isinstance(meta, dict) or "config" not in meta:
-    raise common.UsageError(f"{step_dir}/meta has no run config: not a checkpoint written by "
-                            "the learner")
-  return params, meta
+    return restore_params(step_dir)
+  except ValueError as e:
+    raise common.UsageError(str(e)) from None
 
 
 # --- the model ---------------------------------------------------------------------------------
-
-def base_model(model_name: str):
-  """(ModelConfig, Tokenizer or None, GGUF reader or None) of a registry name or checkpoint
-  path, by `registry.load`'s rules but from metadata only: no weights are read."""
-  import gguf
-  from fr_jax.models import registry
-  from fr_jax.models.config import from_hf_config
-  from fr_jax.models.gguf_io import config_from_gguf
-  from fr_jax.models.tokenizer import Tokenizer
-  name = model_name
-  if name in registry.TINY_CONFIGS:
-    tok = Tokenizer.byte_level() if name in registry.TINY_TOKENIZED else None
-    return registry.TINY_CONFIGS[name], tok, None
-  if name.startswith("random:"):
-    return registry.shape_config(name.removeprefix("random:")), None, None
-  if name == registry.DEFAULT_MODEL or name.startswith("gguf:") or name.endswith(".gguf"):
-    path = (registry.smollm2_gguf_path() if name == registry.DEFAULT_MODEL
-            else Path(name.removeprefix("gguf:")))
-    if not path.is_file():
-      raise registry.ModelNotFound(f"GGUF file {path} not found")
-    reader = gguf.GGUFReader(str(path))
-    return config_from_gguf(reader), Tokenizer.from_gguf(reader), reader
-  path = Path(name.removeprefix("hf:"))
-  if not (path / "config.json").is_file():
-    raise registry.ModelNotFound(f"{path}/config.json not found")
-  cfg = from_hf_config(json.loads((path / "config.json").read_text()))
-  tok = Tokenizer.from_file(path) if (path / "tokenizer.json").is_file() else None
-  return cfg, tok, None
-
 
 def _flat(tree, prefix=()):
   if isinstance(tree, dict):
@@ -156,7 +104,8 @@ def model_of_run(config: dict, params):
   from fr_jax.models.hf_io import CheckpointError
   m = config["model"]
   try:
-    cfg, tok, reader = base_model(m["name"])
+    info = registry.describe(m["name"])
+    cfg, tok, reader = info.config, info.tokenizer, info.gguf_reader
   except (registry.ModelNotFound, CheckpointError) as e:
     raise common.UsageError(f"the run's model.name={m['name']!r}: {e} (a relative path is "
                             "read from this directory; run from where the run was started)")

@@ -37,10 +37,9 @@ class Checkpointer:
     return self.manager.latest_step()
 
   def committed_step(self) -> Optional[int]:
-    """The newest step whose save has finished: Orbax writes into a temporary folder and
-    renames it to the bare step number when the checkpoint is complete."""
-    steps = [int(p.name) for p in self.dir.iterdir() if p.name.isdigit() and p.is_dir()]
-    return max(steps) if steps else None
+    """The newest step whose save has finished (`committed_steps`)."""
+    steps = committed_steps(self.dir)
+    return steps[-1] if steps else None
 
   def should_save(self, step: int) -> bool:
     return step > 0 and step % self.every == 0
@@ -68,3 +67,39 @@ class Checkpointer:
   def close(self):
     self.manager.wait_until_finished()
     self.manager.close()
+
+
+def committed_steps(directory) -> list[int]:
+  """The steps in `directory` whose save has finished, oldest first: Orbax writes into a
+  temporary folder and renames it to the bare step number when the checkpoint is complete."""
+  d = Path(directory)
+  if not d.is_dir():
+    return []
+  return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit() and p.is_dir())
+
+
+def restore_params(step_dir) -> tuple[Any, dict]:
+  """(parameters as host NumPy arrays, the step's meta record) of one saved step, reading
+  only `state.params`: an Orbax partial restore, no optimizer state, no device copy
+  (`launch.export`). Raises ValueError for a step that is not a learner's train state."""
+  import numpy as np
+  from etils import epath
+  state = epath.Path(step_dir) / "state"
+  handler = ocp.PyTreeCheckpointHandler()
+  try:
+    tree = handler.metadata(state).tree
+    if "params" not in tree:
+      raise ValueError(f"{state} holds {sorted(tree)}, not a train state with params")
+    item = {"params": jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype),
+                                   tree["params"])}
+    as_numpy = {"params": jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray),
+                                       tree["params"])}
+    params = handler.restore(state, args=ocp.args.PyTreeRestore(
+        item=item, restore_args=as_numpy, partial_restore=True))["params"]
+  finally:
+    handler.close()
+  meta = ocp.JsonCheckpointHandler().restore(epath.Path(step_dir) / "meta")
+  if not isinstance(meta, dict) or "config" not in meta:
+    raise ValueError(f"{step_dir}/meta has no run config: not a checkpoint written by the "
+                     "learner")
+  return params, meta

@@ -10,9 +10,8 @@ tokenizer (`tokenizer.ggml.*`, `tokenizer.chat_template`). The tokenizer is copi
 GGUF the model came from (`tokenizer_kv_from_gguf`) or built from a byte-level BPE
 `tokenizers` tokenizer (`tokenizer_kv_from_tokenizer`); the token list is padded with unused
 `[PAD{i}]` entries to the embedding's rows, as llama.cpp's converter does, and bos/eos are the
-config's ids where it has them (else the tokenizer's). One gap: a plain GPT-2 pre-tokenizer
-with merges is written as llama.cpp's "gpt-2", which `Tokenizer.from_gguf` does not yet read
-(it knows "gpt2"); SmolLM, Qwen2 and Llama-3 pre-tokenizers get names both read. Tensors are
+config's ids where it has them (else the tokenizer's). Pre-tokenizers get llama.cpp's names
+(GPT-2's is "gpt-2"), which `Tokenizer.from_gguf` reads back as well. Tensors are
 written one at a time (the header first, from shapes alone), so an export holds one converted
 tensor beside the parameters. Types: f32; f16 (1-D tensors stay f32, as llama.cpp's
 converter keeps them); q8_0 (2-D tensors whose rows are whole 32-blocks; other 2-D tensors
@@ -222,7 +221,7 @@ def _pre_semantics(node):
 
 
 # fr_jax's pre-tokenizer names (`tokenizer._pre_tokenizer`) -> llama.cpp's `tokenizer.ggml.pre`
-# (llama.cpp spells GPT-2's "gpt-2"; fr_jax's reader knows it as "gpt2").
+# (llama.cpp spells GPT-2's "gpt-2"; fr_jax's reader takes both spellings).
 _LLAMA_CPP_PRE = {"gpt2": "gpt-2", "smollm": "smollm", "qwen2": "qwen2",
                   "llama-bpe": "llama-bpe"}
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -26,7 +27,7 @@ import jax.numpy as jnp
 
 from fr_jax.models import decoder
 from fr_jax.models.config import ModelConfig, from_hf_config
-from fr_jax.models.gguf_io import load_gguf
+from fr_jax.models.gguf_io import config_from_gguf, load_gguf
 from fr_jax.models.hf_io import CheckpointError, load_hf
 from fr_jax.models.tokenizer import Tokenizer
 
@@ -129,35 +130,72 @@ def _to_device(params, cfg: ModelConfig):
   return jax.tree.map(lambda a: jnp.asarray(a, dtype), params)
 
 
+def _source(name: str) -> tuple[str, Optional[Path]]:
+  """How `name` is found: ("tiny" | "random" | "gguf" | "hf", the file or directory)."""
+  if name in TINY_CONFIGS:
+    return "tiny", None
+  if name.startswith("random:"):
+    return "random", None
+  if name == DEFAULT_MODEL or name.startswith("gguf:") or name.endswith(".gguf"):
+    path = smollm2_gguf_path() if name == DEFAULT_MODEL else Path(name.removeprefix("gguf:"))
+    if not path.is_file():
+      raise ModelNotFound(f"GGUF file {path} not found")
+    return "gguf", path
+  path = Path(name.removeprefix("hf:"))
+  if not (path / "config.json").is_file():
+    raise ModelNotFound(f"unknown model {name!r}: not one of {names()}, not a directory "
+                        "with config.json and not a .gguf file")
+  return "hf", path
+
+
+@dataclasses.dataclass
+class ModelInfo:
+  config: ModelConfig
+  tokenizer: Optional[Tokenizer]
+  gguf_reader: Any  # a GGUF model's gguf.GGUFReader (its metadata), else None
+
+
+def describe(name: str = DEFAULT_MODEL) -> ModelInfo:
+  """A model's config and tokenizer by `load`'s rules, from metadata only: no weights are
+  read (`launch.export`, `launch.compile_check`)."""
+  kind, path = _source(name)
+  if kind == "tiny":
+    tok = Tokenizer.byte_level() if name in TINY_TOKENIZED else None
+    return ModelInfo(TINY_CONFIGS[name], tok, None)
+  if kind == "random":
+    return ModelInfo(shape_config(name.removeprefix("random:")), None, None)
+  if kind == "gguf":
+    import gguf
+    reader = gguf.GGUFReader(str(path))
+    return ModelInfo(config_from_gguf(reader), Tokenizer.from_gguf(reader), reader)
+  cfg = from_hf_config(json.loads((path / "config.json").read_text()))
+  tok = Tokenizer.from_file(path) if (path / "tokenizer.json").is_file() else None
+  return ModelInfo(cfg, tok, None)
+
+
 def load(name: str = DEFAULT_MODEL, *, param_dtype: str = "float32",
          compute_dtype: str = "float32", seed: int = 0) -> LoadedModel:
   """Loads a named model or a checkpoint path (see the module docstring)."""
   t0 = time.perf_counter()
   tokenizer = None
-  if name in TINY_CONFIGS:
+  kind, path = _source(name)
+  if kind == "tiny":
     cfg = TINY_CONFIGS[name].replace(param_dtype=param_dtype, compute_dtype=compute_dtype)
     params = decoder.init_params(cfg, jax.random.key(seed))
     source = f"random init (seed {seed})"
     if name in TINY_TOKENIZED:
       tokenizer = Tokenizer.byte_level()
-  elif name.startswith("random:"):
+  elif kind == "random":
     cfg = shape_config(name.removeprefix("random:"), param_dtype=param_dtype,
                        compute_dtype=compute_dtype)
     params = decoder.init_params(cfg, jax.random.key(seed))
     source = f"random init in {name.removeprefix('random:')} shapes (seed {seed})"
-  elif name == DEFAULT_MODEL or name.startswith("gguf:") or name.endswith(".gguf"):
-    path = smollm2_gguf_path() if name == DEFAULT_MODEL else Path(name.removeprefix("gguf:"))
-    if not path.is_file():
-      raise ModelNotFound(f"GGUF file {path} not found")
+  elif kind == "gguf":
     cfg, params, reader = load_gguf(path, param_dtype=param_dtype, compute_dtype=compute_dtype)
     tokenizer = Tokenizer.from_gguf(reader)
     params = _to_device(params, cfg)
     source = str(path)
   else:
-    path = Path(name.removeprefix("hf:"))
-    if not (path / "config.json").is_file():
-      raise ModelNotFound(f"unknown model {name!r}: not one of {names()}, not a directory "
-                          "with config.json and not a .gguf file")
     cfg, params = load_hf(path, param_dtype=param_dtype, compute_dtype=compute_dtype)
     if (path / "tokenizer.json").is_file():
       tokenizer = Tokenizer.from_file(path)
@@ -167,5 +205,5 @@ def load(name: str = DEFAULT_MODEL, *, param_dtype: str = "float32",
   return LoadedModel(name, cfg, params, tokenizer, source, time.perf_counter() - t0)
 
 
-__all__ = ["load", "names", "LoadedModel", "ModelNotFound", "CheckpointError", "TINY_CONFIGS",
+__all__ = ["load", "describe", "names", "LoadedModel", "ModelInfo", "ModelNotFound", "CheckpointError", "TINY_CONFIGS",
            "SHAPES", "shape_config", "DEFAULT_MODEL", "smollm2_gguf_path"]

@@ -28,7 +28,7 @@ _LLAMA3_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3
 
 def _pre_tokenizer(pre: str):
   byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-  if pre in ("gpt2", "default", None):
+  if pre in ("gpt2", "gpt-2", "default", None):  # llama.cpp spells GPT-2's "gpt-2"
     return byte_level
   if pre == "smollm":
     return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])

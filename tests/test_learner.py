@@ -17,7 +17,7 @@ from fr_jax.learner import optim, step, synthetic
 from fr_jax.learner.checkpoint import Checkpointer
 from fr_jax.learner.learner import Learner
 from fr_jax.learner.metrics import read_jsonl
-from fr_jax.models import registry
+from fr_jax.models import decoder, registry
 from fr_jax.packing import PackingSpec, pack
 from fr_jax.trajectory import TrajectoryError, validate
 from tests import learner_driver
@@ -196,15 +196,71 @@ def test_non_finite_batch_is_skipped_and_state_unchanged(tmp_path):
   assert m["finite"] and learner.version == 2
 
 
-def test_sequential_minibatches_use_the_whole_batch_mean():
+def _reference_loss(params, cfg, inputs_BxL, targets_BxL, mask_BxL, blogp_BxL, A_B,
+                    clip_eps=None):
+  """The batch objective written out from the paper's formulas over a plain decoder forward
+  pass, one trajectory per row (no packing, no fr_jax.objective):
+  -(1/B) sum_i (1/T_i) sum_t over action tokens of
+    FlashREINFORCE (clip_eps None): sg(rho_it) A_i log pi_it   (no gate: delta = inf)
+    PPO-clip (GRPO):                min(rho_it A_i, clip(rho_it, 1 -+ eps) A_i)
+  with rho = pi / mu, at temperature 1."""
+  B, L = inputs_BxL.shape
+  h, _ = decoder.forward(params, cfg, inputs_BxL, jnp.broadcast_to(jnp.arange(L), (B, L)))
+  logp_all = jax.nn.log_softmax(decoder.logits_from_hidden(params, cfg, h), -1)
+  logp = jnp.take_along_axis(logp_all, targets_BxL[..., None], -1)[..., 0]
+  rho = jnp.exp(logp - blogp_BxL)
+  A = A_B[:, None]
+  if clip_eps is None:
+    per_token = jax.lax.stop_gradient(rho) * A * logp
+  else:
+    per_token = jnp.minimum(rho * A, jnp.clip(rho, 1 - clip_eps, 1 + clip_eps) * A)
+  per_traj = jnp.where(mask_BxL, per_token, 0.0).sum(1) / mask_BxL.sum(1)
+  return -per_traj.sum() / B
+
+
+_reference_value_and_grad = jax.jit(jax.value_and_grad(_reference_loss),
+                                    static_argnames=("cfg", "clip_eps"))
+
+
+def reference_loss_and_grad_norm(params, cfg, trajs, adv, clip_eps=None):
+  """(loss, global gradient norm) of `_reference_loss`. Each trajectory sits alone in its row,
+  padded at the end (causal attention: the padding changes nothing before it)."""
+  L = max(t.length for t in trajs) - 1
+  inputs, targets = np.zeros((2, len(trajs), L), np.int32)
+  mask, blogp = np.zeros((len(trajs), L), bool), np.zeros((len(trajs), L), np.float32)
+  for i, t in enumerate(trajs):
+    seq = np.concatenate([t.prompt_tokens, t.completion_tokens])
+    P, C = len(t.prompt_tokens), len(t.completion_tokens)
+    inputs[i, :len(seq) - 1] = seq[:-1]
+    targets[i, P - 1:P - 1 + C] = t.completion_tokens  # position P-1+j predicts token j
+    mask[i, P - 1:P - 1 + C] = t.action_mask
+    blogp[i, P - 1:P - 1 + C] = t.behavior_logp
+  loss, g = _reference_value_and_grad(params, cfg, inputs, targets, mask, blogp,
+                                      np.asarray(adv, np.float32), clip_eps=clip_eps)
+  return float(loss), math.sqrt(sum(float(np.sum(np.square(np.asarray(x, np.float64))))
+                                    for x in jax.tree.leaves(g)))
+
+
+def test_sequential_minibatches_use_the_whole_batch_mean(tmp_path):
   b = batches(1, B=8)[0]
   for i, t in enumerate(b):
     t.reward = 1.0 if i < 4 else 0.0  # minibatch 1: all ones; minibatch 2: all zeros
-  learner = Learner(tiny_config(batch_size=4, minibatches=2))
-  m = learner.update(b)
+  # lr 0: both minibatches are scored at the same parameters (AdamW moves nothing).
+  learner = Learner(tiny_config(batch_size=4, minibatches=2,
+                                **{"optim.lr": 0.0, "log.dir": str(tmp_path)}))
+  params, cfg = jax.device_get(learner.params), learner.model_config
+  learner.update(b)
   assert learner.version == 2
-  # With per-minibatch baselines both minibatches would have A = 0 and no gradient.
-  assert m["grad_norm"] > 0
+  learner.close()
+  rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r]
+  assert [r["step"] for r in rows] == [1, 2]
+  # The whole batch's mean reward is 1/2, so A = +1/2 on minibatch 1 and -1/2 on minibatch 2
+  # (per-minibatch baselines would make both 0: no gradient).
+  for row, chunk, A in ((rows[0], b[:4], 0.5), (rows[1], b[4:], -0.5)):
+    want_loss, want_norm = reference_loss_and_grad_norm(params, cfg, chunk, [A] * 4)
+    assert row["loss"] == pytest.approx(want_loss, rel=1e-5, abs=1e-7)
+    assert row["grad_norm"] == pytest.approx(want_norm, rel=1e-4)
+    assert want_norm > 1e-3
 
 
 def test_grpo_mode_uses_group_advantages():
@@ -221,7 +277,15 @@ def test_grpo_mode_uses_group_advantages():
   # Each group (0, 1): mean 1/2, unbiased std sqrt(1/2) -> A = -+ (1/2) / (sqrt(1/2) + 1e-6).
   a = 0.5 / (math.sqrt(0.5) + 1e-6)
   np.testing.assert_allclose(adv, [-a, a] * 4, rtol=1e-5)
-  assert learner.update(b)["grad_norm"] > 0
+  # The update's loss and gradient are PPO-clip's with those hand-derived advantages.
+  params, cfg = jax.device_get(learner.params), learner.model_config
+  m = learner.update(b)
+  want_loss, want_norm = reference_loss_and_grad_norm(params, cfg, b, [-a, a] * 4,
+                                                      clip_eps=0.2)
+  assert m["loss"] == pytest.approx(want_loss, rel=1e-5, abs=1e-7)
+  assert m["grad_norm"] == pytest.approx(want_norm, rel=1e-4)
+  assert want_norm > 1e-3
+  learner.close()
 
 
 def test_schedule_warmup_then_cosine_to_min_ratio():

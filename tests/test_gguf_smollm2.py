@@ -86,10 +86,10 @@ def hf_smol():
   return tok, model
 
 
-def test_smollm2_loads_fast_and_says_paris(smol):
+def test_smollm2_loads_and_says_paris(smol):
+  # (Load time is a benchmark figure: python -m experiments.benchmarks.model --cases=gguf_load)
   assert smol.config.num_layers == 30 and smol.config.vocab_size == 49152
   assert smol.config.tie_embeddings
-  assert smol.load_seconds < 30, smol.load_seconds
   tok = smol.tokenizer
   ids = tok.encode("The capital of France is")
   eng = EmbeddedEngine(smol.config, smol.params, num_slots=1, max_len=32)

@@ -1,6 +1,11 @@
-r"""Benchmark: forward+backward of SmolLM2-135M on 8x256 tokens, fr_jax vs transformers.
+r"""Benchmark: loading the bundled SmolLM2-135M GGUF, and forward+backward of SmolLM2-135M on
+8x256 tokens, fr_jax vs transformers.
 
   .venv/bin/python -m experiments.benchmarks.model [--repeats=5] [--batch=8] [--seq=256]
+  .venv/bin/python -m experiments.benchmarks.model --cases=gguf_load [--load_repeats=3]
+
+`gguf_load` times `registry.load("smollm2-135m-instruct")` (read the Q4_1 GGUF, dequantize to
+f32, build the tokenizer): the first load, then the median of --load_repeats more.
 
 Both sides compute the same loss on the same weights (the bundled GGUF, dequantized to f32)
 and the same tokens: the mean next-token negative log-likelihood, and its gradient with
@@ -9,7 +14,7 @@ respect to every parameter. fr_jax runs jit(value_and_grad) over the pure params
 the peer is transformers' PyTorch
 LlamaForCausalLM in f32 (eager attention, torch's default threads).
 
-Prints JSON lines: `machine`, `matmul_peak` (jitted square matmul, f32 and bf16 inputs with f32
+Prints JSON lines: `machine`, `gguf_load`, `matmul_peak` (jitted square matmul, f32 and bf16 inputs with f32
 accumulation: this machine's measured peak), one `fwd_bwd` line per implementation (median of
 --repeats timed steps after warm-up; tokens/s; model FLOPs utilisation against the measured
 peak for its dtype), and `summary` with the ratios. Model FLOPs are analytic
@@ -29,6 +34,8 @@ flags.DEFINE_integer("seq", 256, "tokens per sequence")
 flags.DEFINE_integer("repeats", 5, "timed steps per implementation (median reported)")
 flags.DEFINE_integer("matmul_n", 2048, "size of the square matmul for the peak measurement")
 flags.DEFINE_bool("torch_peer", True, "also time the transformers peer")
+flags.DEFINE_list("cases", ["gguf_load", "fwd_bwd"], "which cases to run")
+flags.DEFINE_integer("load_repeats", 3, "timed GGUF loads after the first (median reported)")
 F = flags.FLAGS
 
 
@@ -45,20 +52,45 @@ def matmul_peak(n, repeats):
   return out
 
 
+def gguf_load(registry, repeats):
+  """The bundled model loaded (first, then `repeats` more): the last LoadedModel and a record."""
+  import time
+  path = registry.smollm2_gguf_path()
+  t0 = time.perf_counter()
+  m = registry.load("smollm2-135m-instruct")
+  first = time.perf_counter() - t0
+  loaded = []
+  med, ts = timed(lambda: loaded.append(registry.load("smollm2-135m-instruct")), repeats,
+                  warmup=0)
+  m = loaded[-1] if loaded else m
+  return m, dict(file=path.name, file_mb=round(path.stat().st_size / 2**20, 1),
+                 first_s=round(first, 3), median_s=round(med, 3),
+                 all_s=[round(t, 3) for t in ts], params=m.config.num_params)
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
+  unknown = set(F.cases) - {"gguf_load", "fwd_bwd"}
+  if unknown:
+    raise app.UsageError(f"--cases: unknown {sorted(unknown)}; choose from gguf_load, fwd_bwd")
   import jax
   import jax.numpy as jnp
   from fr_jax.models import decoder, registry
 
   B, T = F.batch, F.seq
   emit("machine", **machine())
+  m = None
+  if "gguf_load" in F.cases:
+    m, rec = gguf_load(registry, F.load_repeats)
+    emit("gguf_load", **rec)
+  if "fwd_bwd" not in F.cases:
+    return
   peak = matmul_peak(F.matmul_n, F.repeats)
   emit("matmul_peak", n=F.matmul_n, float32_gflops=round(peak["float32"] / 1e9, 1),
        bf16_in_f32_acc_gflops=round(peak["bfloat16"] / 1e9, 1))
 
-  m = registry.load("smollm2-135m-instruct")
+  m = m or registry.load("smollm2-135m-instruct")
   cfg = m.config
   rng = np.random.default_rng(0)
   ids = rng.integers(0, cfg.vocab_size, (B, T + 1)).astype(np.int32)

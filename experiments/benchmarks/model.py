@@ -14,8 +14,8 @@ respect to every parameter. fr_jax runs jit(value_and_grad) over the pure params
 the peer is transformers' PyTorch
 LlamaForCausalLM in f32 (eager attention, torch's default threads).
 
-Prints JSON lines: `machine`, `gguf_load`, `matmul_peak` (jitted square matmul, f32 and bf16 inputs with f32
-accumulation: this machine's measured peak), one `fwd_bwd` line per implementation (median of
+Prints JSON lines: `machine`, `gguf_load`, `matmul_peak` (jitted square matmul, f32 and bf16
+inputs with f32 accumulation: this machine's measured peak), one `fwd_bwd` line per implementation (median of
 --repeats timed steps after warm-up; tokens/s; model FLOPs utilisation against the measured
 peak for its dtype), and `summary` with the ratios. Model FLOPs are analytic
 (ModelConfig.flops_per_token: 2 x matmul params incl. the LM head + causal attention, x3 for

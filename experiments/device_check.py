@@ -95,6 +95,7 @@ def write_peer_fixtures(out: Path):
   import numpy as np
   import torch
   import transformers
+
   from experiments.peer_models import hf_logits, hf_model
   from fr_jax.models import registry
   for i, name in enumerate(PEER_MODELS):
@@ -111,6 +112,7 @@ def write_peer_fixtures(out: Path):
 
 def section_env(ctx):
   import jax
+
   from fr_jax.learner.learner import measure_peak_flops
   n = 512 if F.dry else 8192
   ctx["peak"] = {d: measure_peak_flops(d, n=n, repeats=10) for d in ("float32", "bfloat16")}
@@ -129,6 +131,7 @@ def section_env(ctx):
 def section_peer(ctx):
   import jax
   import numpy as np
+
   from fr_jax.models import decoder, registry
   root = Path(F.peer_fixtures)
   if not all((root / n / "peer.npz").is_file() for n in PEER_MODELS):
@@ -181,6 +184,7 @@ def section_attention(ctx):
   import jax
   import jax.numpy as jnp
   import numpy as np
+
   from fr_jax.models import attention as A
   backend = jax.default_backend()
   B, L, H, KVH, hd = (2, 300, 4, 2, 16) if F.dry else (2, 2000, 12, 2, 128)
@@ -236,6 +240,7 @@ def section_attention(ctx):
 def _update_case(ctx, label, model_name, trajs, row_len, buckets):
   import jax
   import numpy as np
+
   from fr_jax.learner import config as lcfg
   from fr_jax.learner.learner import Learner
   from fr_jax.models import registry
@@ -275,6 +280,7 @@ def _update_case(ctx, label, model_name, trajs, row_len, buckets):
 
 def section_learner(ctx):
   import numpy as np
+
   from experiments.benchmarks.learner_cases import make_trajectories
   from fr_jax.models import registry
   from fr_jax.trajectory import Trajectory
@@ -299,6 +305,7 @@ def section_learner(ctx):
 
 def section_engine(ctx):
   import numpy as np
+
   from fr_jax.models import registry
   from fr_jax.rollout.embedded import EmbeddedEngine
   from fr_jax.rollout.engine import Request

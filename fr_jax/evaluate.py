@@ -14,7 +14,6 @@ also get `by_level`: accuracy and tool calls per difficulty.
 from __future__ import annotations
 
 import time
-from typing import Optional
 
 import numpy as np
 
@@ -24,7 +23,7 @@ from fr_jax.rollout.embedded import EmbeddedEngine
 
 def evaluate(model_config, params, tokenizer, env, agent: AgentConfig, *, n: int = 200,
              samples: int = 1, temperature: float = 1.0, num_slots: int = 32,
-             seed: int = 0, engine=None, greedy: Optional[bool] = None) -> dict:
+             seed: int = 0, engine=None, greedy: bool | None = None) -> dict:
   """`engine` defaults to an embedded engine on `params`. Decoding is greedy when `greedy`
   (default: when samples == 1), else sampled at `temperature` with per-task seeds from
   `seed`, so two evaluations of one model see the same draws."""

@@ -24,7 +24,8 @@ over globally sharded arrays, and XLA inserts the collectives for these sums.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp

@@ -14,7 +14,8 @@ segment slots, S = rows * max_segments_per_row.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 

@@ -21,13 +21,18 @@ negative log-likelihood of the assistant tokens (see `fr_jax.learner.step`).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 
-from fr_jax.rollout.agent import RESPONSE_CLOSE, RESPONSE_OPEN, parse_tool_call, prompt_ids, \
-    user_turn_ids
+from fr_jax.rollout.agent import (
+  RESPONSE_CLOSE,
+  RESPONSE_OPEN,
+  parse_tool_call,
+  prompt_ids,
+  user_turn_ids,
+)
 from fr_jax.trajectory import Trajectory
 
 ROLES = ("system", "user", "assistant", "tool")

@@ -9,8 +9,8 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import ml_collections
 
@@ -87,7 +87,7 @@ def require_tokenizer(c: ml_collections.ConfigDict, model) -> None:
 
 
 def build_worker(c: ml_collections.ConfigDict, client, model, *, index: int, num_shards: int,
-                 worker_id: Optional[str] = None, params=None, version: int = 0) -> Worker:
+                 worker_id: str | None = None, params=None, version: int = 0) -> Worker:
   require_tokenizer(c, model)
   env = envs.make(c.env.name, **c.env.kwargs.to_dict())
   engine = build_engine(c, model, params, version)
@@ -138,8 +138,8 @@ def start_worker_threads(c, service, model, n: int, stop: threading.Event,
 
 
 def train_in_process(c: ml_collections.ConfigDict, *, model=None,
-                     on_update: Optional[Callable] = None,
-                     stop: Optional[threading.Event] = None, final: Optional[dict] = None) -> dict:
+                     on_update: Callable | None = None,
+                     stop: threading.Event | None = None, final: dict | None = None) -> dict:
   """The whole system in one process: learner loop on this thread, workers as threads
   sharing the model and the devices (weights handed over as arrays, nothing serialised).
   Setting `stop` ends the run after the current update, with a checkpoint. `final`, if

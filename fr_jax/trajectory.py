@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
 
 import numpy as np
 
@@ -135,8 +134,8 @@ def record_key(traj_id: str) -> tuple[str, int]:
   return traj_id, 0
 
 
-def validate(traj: Trajectory, *, max_length: Optional[int] = None,
-             vocab_size: Optional[int] = None, logp_floor: float = LOGP_FLOOR,
+def validate(traj: Trajectory, *, max_length: int | None = None,
+             vocab_size: int | None = None, logp_floor: float = LOGP_FLOOR,
              max_abs_reward: float = F32_MAX) -> Trajectory:
   """Checks a record; returns it unchanged or raises `TrajectoryError` with a named reason.
   `vocab_size` (the model's) bounds token ids; `logp_floor` bounds behaviour log-probs of
@@ -226,7 +225,7 @@ def validate(traj: Trajectory, *, max_length: Optional[int] = None,
   return traj
 
 
-def rejection_reason(traj: Trajectory, **limits) -> Optional[str]:
+def rejection_reason(traj: Trajectory, **limits) -> str | None:
   """The reason `validate(traj, **limits)` would refuse `traj`, or None if it is accepted."""
   try:
     validate(traj, **limits)

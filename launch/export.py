@@ -28,7 +28,6 @@ with status 2.
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import time

@@ -65,6 +65,7 @@ def run() -> dict:
   ids = _parse_ids(FLAGS.score_ids) if FLAGS.score_ids is not None else None
   # Heavy imports after flag checks, so usage errors are instant.
   import jax.numpy as jnp
+
   from fr_jax.models import decoder, registry
   from fr_jax.models.hf_io import CheckpointError
   from fr_jax.rollout.embedded import EmbeddedEngine

@@ -131,6 +131,7 @@ def test_real_rollout_logprobs_equal_learner_scoring():
   learner's packed scoring of the resulting trajectories reproduces every behaviour log-prob
   (so masks, packing's target frame and the engine agree token for token)."""
   import jax
+
   from fr_jax.models import decoder
   from fr_jax.packing import PackingSpec, pack
   from fr_jax.rollout.embedded import EmbeddedEngine

@@ -69,9 +69,10 @@ def test_tiny_update_compiles_for_tpu_and_an_oversized_one_does_not_fit():
   assert r.returncode == 0, r.stderr[-3000:]
   fits, oom = [json.loads(line) for line in r.stdout.strip().splitlines()[-2:]]
 
+  import jax
+
   from fr_jax.models import registry
   from fr_jax.models.decoder import init_params
-  import jax
   n_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(jax.eval_shape(
       lambda: init_params(registry.TINY_CONFIGS["tiny-chat"], jax.random.key(0)))))
   # v5p-8: 4 chips (megacore), the tiny recipe's 1x1 mesh becomes data=4; 2 rows each.

@@ -3,7 +3,6 @@ the engine), and the run plot."""
 
 import json
 
-
 from fr_jax import envs
 from fr_jax.evaluate import evaluate
 from fr_jax.models.tokenizer import Tokenizer

@@ -19,8 +19,12 @@ import transformers
 from experiments.configs import tiny_test
 from fr_jax.learner.learner import Learner
 from fr_jax.models import decoder, registry
-from fr_jax.models.gguf_io import (load_gguf, save_gguf, tokenizer_kv_from_gguf,
-                                   tokenizer_kv_from_tokenizer)
+from fr_jax.models.gguf_io import (
+  load_gguf,
+  save_gguf,
+  tokenizer_kv_from_gguf,
+  tokenizer_kv_from_tokenizer,
+)
 from fr_jax.models.hf_io import CheckpointError
 from fr_jax.models.tokenizer import Tokenizer
 
@@ -171,6 +175,7 @@ def test_bpe_tokenizer_reads_back_from_the_gguf(pre, tmp_path):
   """A byte-level BPE tokenizer with merges, written as GGUF fields, encodes as before once
   fr_jax rebuilds it from the file."""
   import tokenizers
+
   from fr_jax.models import tokenizer as toklib
   chars = sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet(), key=toklib._BYTE_OF.get)
   merges = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("a", "t"), ("c", "at")]

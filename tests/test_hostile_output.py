@@ -10,8 +10,8 @@ import re
 import time
 
 import pytest
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 import tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from fr_jax import envs
 from fr_jax.models import registry

@@ -188,6 +188,7 @@ def test_checkpoint_errors_name_the_problem(tmp_path):
   m = registry.load("tiny-llama")
   save_hf(tmp_path, m.params, m.config)
   import json
+
   from safetensors.numpy import load_file, save_file
   t = load_file(tmp_path / "model.safetensors")
   del t["model.layers.1.mlp.up_proj.weight"]

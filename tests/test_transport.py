@@ -17,12 +17,11 @@ import pytest
 from fr_jax import config as rcfg
 from fr_jax import system
 from fr_jax.learner.inflight import InflightController
-from fr_jax.learner.trajectory_queue import TrajectoryQueue
 from fr_jax.learner.synthetic import synthetic_trajectory
+from fr_jax.learner.trajectory_queue import TrajectoryQueue
 from fr_jax.trajectory import TrajectoryError
-from fr_jax.transport import codec
+from fr_jax.transport import codec, rpc
 from fr_jax.transport import fr_jax_pb2 as pb
-from fr_jax.transport import rpc
 from fr_jax.transport import server as srv
 from fr_jax.transport.client import GrpcClient, LocalClient
 

@@ -150,10 +150,10 @@ def grpc_throughput(model, completion_tokens: int) -> dict:
   """Loopback gRPC: `grpc_clients` streams push records as fast as they can into a learner
   service whose queue a drain thread empties."""
   from fr_jax import system
+  from fr_jax.learner.synthetic import synthetic_trajectory
   from fr_jax.transport import codec
   from fr_jax.transport import server as srv
   from fr_jax.transport.client import GrpcClient
-  from fr_jax.learner.synthetic import synthetic_trajectory
   c = config("flash_reinforce")
   c.service.queue_capacity = 4096
   c.packing.row_len = c.agent.max_total_tokens = 8192

@@ -31,8 +31,8 @@ then `summary` with the speed ratios.
 
 import gc
 
-from absl import app, flags, logging
 import numpy as np
+from absl import app, flags, logging
 
 from experiments.benchmarks.common import emitter, machine, timed, torch_matmul_peak
 from experiments.benchmarks.learner_cases import CASES, make_trajectories
@@ -54,6 +54,7 @@ def set_behaviour_logp(trajs, params, cfg, row_len, rng):
   """Behaviour log-probs = the model's own log-probs of each completion token + noise,
   scored on the packed batch (one compile)."""
   import jax
+
   from fr_jax.models import decoder
   from fr_jax.packing import PackingSpec, pack
   score = jax.jit(lambda p, b: decoder.score_packed(p, cfg, b.tokens, b.targets, b.positions,
@@ -71,6 +72,7 @@ def set_behaviour_logp(trajs, params, cfg, row_len, rng):
 def torch_peer(trajs, cfg, repeats, delta):
   import torch
   import transformers
+
   from fr_jax.models import registry
   p = registry.smollm2_gguf_path()
   model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -128,6 +130,7 @@ def long_one(L):
   """One long row through Learner.update, in this (fresh) process: emits its `long` line."""
   import resource
   import time
+
   from fr_jax.learner import config as lcfg
   from fr_jax.learner.learner import Learner
   from fr_jax.models import registry
@@ -198,6 +201,7 @@ def main(argv):
   if F.long_one:
     return long_one(F.long_one)
   import jax
+
   from fr_jax.learner import config as lcfg
   from fr_jax.learner.learner import Learner, measure_peak_flops
   from fr_jax.models import registry

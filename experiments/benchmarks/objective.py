@@ -19,8 +19,8 @@ import platform
 import statistics
 import time
 
-from absl import app, flags
 import numpy as np
+from absl import app, flags
 
 flags.DEFINE_integer("action_tokens", 65536, "action tokens per update batch")
 flags.DEFINE_integer("repeats", 15, "timed calls per implementation (median reported)")
@@ -81,6 +81,7 @@ def bench_loss_grad(rng):
   import jax
   import jax.numpy as jnp
   import torch
+
   from fr_jax import objective as obj
   from fr_jax.packing import pack
 

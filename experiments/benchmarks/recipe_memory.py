@@ -36,6 +36,7 @@ def main(argv):
   del argv
   import importlib
   import time
+
   from fr_jax.learner.learner import compile_update_from_shapes
   from fr_jax.models.registry import shape_config
   emit = emitter("recipe_memory")

@@ -28,8 +28,8 @@ JSON lines: `machine`, then per case `generate` / `multiturn` lines with medians
 import statistics
 import time
 
-from absl import app, flags, logging
 import numpy as np
+from absl import app, flags, logging
 
 from experiments.benchmarks.common import emitter, machine, timed
 
@@ -63,6 +63,7 @@ def mismatch(m, reqs, outs):
   engine sampled, against the engine's behaviour log-probs; and the trust gate's acceptance
   on them (sequence gate, advantages irrelevant)."""
   import jax.numpy as jnp
+
   from fr_jax import objective
   from fr_jax.models import decoder
   d, learner, behaviour = [], [], []
@@ -146,7 +147,9 @@ def llama_cpp_generate(prompt, N):
   from `prompt`, stop tokens ignored, with 1 thread (its default here) and with one thread
   per core. Emits a line per thread count; returns the best median wall time."""
   import os
+
   import llama_cpp
+
   from fr_jax.models import registry
   path = registry.smollm2_gguf_path()
   best = None

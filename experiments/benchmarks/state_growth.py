@@ -41,6 +41,7 @@ def dir_bytes(path) -> int:
 def main(argv):
   del argv
   import psutil
+
   from experiments.configs import tiny_test
   from fr_jax import system
   from fr_jax.learner.synthetic import synthetic_trajectory

@@ -88,6 +88,7 @@ def main(argv):
   if FLAGS.role == "clients":
     return clients_main()
   import psutil
+
   from fr_jax.transport.client import GrpcClient
   emit = emitter("stream_load")
   emit("machine", **machine())

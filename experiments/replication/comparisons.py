@@ -11,7 +11,6 @@ lag (see `driver`). Metrics are read from a run's result dict by dotted path:
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 from experiments.replication.driver import Setting
 
@@ -158,7 +157,7 @@ def get(name: str) -> Comparison:
   return COMPARISONS[name]
 
 
-def metric(result: dict, path: str) -> Optional[float]:
+def metric(result: dict, path: str) -> float | None:
   """A run's figure by dotted path (see the module docstring)."""
   head, _, key = path.partition(".")
   curve = result["curve"]

@@ -24,8 +24,8 @@ import dataclasses
 import hashlib
 import pickle
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -88,7 +88,7 @@ class Setting:
   max_filler: int = 10
   copy_mix: float = 0.0  # tool task: fraction of warm-start demos drawn from the copy task
 
-  def agent(self, temperature: Optional[float] = None) -> AgentConfig:
+  def agent(self, temperature: float | None = None) -> AgentConfig:
     return AgentConfig(max_turns=self.max_turns, max_new_tokens=self.max_new_tokens,
                        max_total_tokens=self.max_total_tokens,
                        temperature=self.temperature if temperature is None else temperature,
@@ -133,7 +133,7 @@ def demo_tokens(setting: Setting, loop: AgentLoop, task, rng) -> tuple[list[int]
 
 
 _WARM: dict = {}
-CACHE_DIR: Optional[str] = None  # if set, warm starts are also kept there as pickles
+CACHE_DIR: str | None = None  # if set, warm starts are also kept there as pickles
 
 
 def warm_start(setting: Setting, seed: int):
@@ -261,7 +261,7 @@ def _eval(s: Setting, model_cfg, params, tok) -> dict:
 
 def rl_loop(learner, engine, loop, env, *, updates: int, lag: int, batch_size: int,
             seed: int, minibatches: int = 1, group_size: int = 1, params0=None,
-            log: Optional[Callable[[str], None]] = None) -> dict:
+            log: Callable[[str], None] | None = None) -> dict:
   """Updates `learner` to version `updates` on rollouts sampled at an exact policy lag: the
   rollouts for update t come from the snapshot of version max(0, t - lag). Returns the
   per-update curve, the prompts covered, the rollouts made and the training seconds."""
@@ -304,7 +304,7 @@ def rl_loop(learner, engine, loop, env, *, updates: int, lag: int, batch_size: i
               train_wall_s=round(time.perf_counter() - t_train, 2))
 
 
-def run(s: Setting, seed: int, *, log: Optional[Callable[[str], None]] = None) -> dict:
+def run(s: Setting, seed: int, *, log: Callable[[str], None] | None = None) -> dict:
   """One arm, one seed. Returns the per-update curve and the held-out evaluations."""
   t0 = time.perf_counter()
   model = load_model(seed, s.width)

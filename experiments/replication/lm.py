@@ -17,8 +17,8 @@ import dataclasses
 import importlib
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import jax
 
@@ -52,7 +52,7 @@ class LMSetting:
     c.log.peak_flops = 1e11  # no start-up matmul measurement
     return c
 
-  def run(self, seed: int, *, log: Optional[Callable[[str], None]] = None) -> dict:
+  def run(self, seed: int, *, log: Callable[[str], None] | None = None) -> dict:
     return run(self, seed, log=log)
 
 
@@ -105,7 +105,7 @@ def warm_model(s: LMSetting, log=None):
   return driver._WARM[key]
 
 
-def run(s: LMSetting, seed: int, *, log: Optional[Callable[[str], None]] = None) -> dict:
+def run(s: LMSetting, seed: int, *, log: Callable[[str], None] | None = None) -> dict:
   from fr_jax import envs, system
   from fr_jax.learner.learner import Learner
   from fr_jax.rollout.agent import AgentLoop

@@ -28,7 +28,6 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 from absl import app, flags
 
@@ -52,7 +51,7 @@ def settings_json(c: comps.Comparison) -> dict:
   return {arm: dataclasses.asdict(s) for arm, s in c.arms.items()}
 
 
-def run_comparison(c: comps.Comparison, seeds: int, have: Optional[dict] = None) -> dict:
+def run_comparison(c: comps.Comparison, seeds: int, have: dict | None = None) -> dict:
   """Runs every arm for seeds 0..seeds-1; seeds already in `have` (same settings) are kept."""
   from experiments.replication import driver
   runs = {arm: [r for r in (have or {}).get(arm, []) if r["seed"] < seeds] for arm in c.arms}

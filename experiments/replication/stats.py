@@ -4,7 +4,7 @@ verdict on a claimed direction. The t quantile comes from scipy.stats."""
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import scipy.stats
 

@@ -11,7 +11,6 @@ import dataclasses
 import json
 import operator
 import re
-from typing import Optional
 
 import numpy as np
 
@@ -56,7 +55,7 @@ class Arithmetic:
     bad = set(self.ops) - set(_OPS)
     if bad or not self.ops:
       raise ValueError(f"ops={self.ops!r}: use a non-empty subset of '+-*'")
-    self._test: Optional[list[Task]] = None
+    self._test: list[Task] | None = None
 
   @property
   def system_prompt(self) -> str:
@@ -177,7 +176,7 @@ class ToolArithmetic:
     check_split(split)
     return self.train_size if split == "train" else self.test_size
 
-  def _draw(self, rng, hard: Optional[bool] = None) -> Task:
+  def _draw(self, rng, hard: bool | None = None) -> Task:
     if hard is None:
       hard = bool(rng.random() < self.hard_fraction)
     if hard:
@@ -252,7 +251,7 @@ _BIN = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
 _EXPR_LINE = re.compile(r"[\d\s+\-*/()x×]+")
 
 
-def eval_expression(text: str) -> tuple[Optional[float], list[int]]:
+def eval_expression(text: str) -> tuple[float | None, list[int]]:
   """Value and number literals of an arithmetic expression (+ - * / and parentheses only);
   (None, []) if it is anything else."""
   text = text.replace("×", "*").replace("x", "*")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import re
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 import grain
 import numpy as np
@@ -55,7 +55,7 @@ class Env(Protocol):
   def reward(self, task: Task, final_text: str) -> float:
     ...
 
-  def start(self, task: Task) -> Optional[Episode]:
+  def start(self, task: Task) -> Episode | None:
     ...
 
 
@@ -100,7 +100,7 @@ _INT = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 
 
-def last_number(text: str) -> Optional[float]:
+def last_number(text: str) -> float | None:
   """The answer in a reply: the content of the last \\boxed{...} if any, else the last
   number in the text (commas as thousands separators allowed)."""
   boxed = _BOXED.findall(text)

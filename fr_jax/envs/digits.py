@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Optional
 
 from fr_jax.envs.base import Task, check_split, procedural_task
 
@@ -30,7 +29,7 @@ _DIGIT = re.compile(r"\d")
 TOOL_PREFIX = "?"
 
 
-def first_digit(text: str) -> Optional[int]:
+def first_digit(text: str) -> int | None:
   m = _DIGIT.search(text)
   return None if m is None else int(m.group(0))
 
@@ -41,7 +40,7 @@ class DigitsEpisode:
   def __init__(self, task: Task, tool: bool):
     self.task, self.tool = task, tool
     self.tool_calls = 0
-    self.answered: Optional[int] = None
+    self.answered: int | None = None
     self.done = False
 
   def observe(self, action_text: str) -> tuple[str, bool]:

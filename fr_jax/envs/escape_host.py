@@ -13,7 +13,6 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Optional
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -83,7 +82,7 @@ def _sandbox_leftovers(before: set, timeout: float = 3.0) -> list[int]:
     time.sleep(0.05)
 
 
-def _uid(pid) -> Optional[int]:
+def _uid(pid) -> int | None:
   try:
     with open(f"/proc/{pid}/status") as f:
       for line in f:

@@ -24,11 +24,17 @@ import string
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
-from fr_jax.envs.escape_host import (REPO, Host, _host_shm, _in_other_pid_ns,
-                                     _sandbox_leftovers, _sysv_segments)
+from fr_jax.envs.escape_host import (
+  REPO,
+  Host,
+  _host_shm,
+  _in_other_pid_ns,
+  _sandbox_leftovers,
+  _sysv_segments,
+)
 from fr_jax.envs.sandbox import Limits, ToolResult, probe, run_python
 
 QUICK = Limits(wall_seconds=5.0, cpu_seconds=2)
@@ -42,7 +48,7 @@ class Attempt:
   code: str  # string.Template: $port $abstract $token $host_dir $repo $probe_file $worker_pid
   check: Callable[[ToolResult, Host, dict], tuple[bool, str]]
   limits: Limits = QUICK
-  run: Optional[Callable[["Attempt", Host], tuple[bool, str]]] = None  # a custom runner
+  run: Callable[[Attempt, Host], tuple[bool, str]] | None = None  # a custom runner
 
 
 def _out(r: ToolResult) -> str:

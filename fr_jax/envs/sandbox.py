@@ -39,7 +39,6 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Optional
 
 _ENTRY = Path(__file__).with_name("_sandbox_entry.py")
 log = logging.getLogger("fr_jax.sandbox")
@@ -69,15 +68,15 @@ class SandboxUnavailable(RuntimeError):
 class ToolResult:
   ok: bool  # exited 0 within limits
   output: str  # what the model sees: output, marked if truncated or failed
-  exit_code: Optional[int]
+  exit_code: int | None
   # timeout | output_limit | nonzero_exit | killed | code_too_long | sandbox_error |
   # sandbox_unavailable
-  error: Optional[str]
+  error: str | None
   seconds: float
   isolation: str  # "namespaces" | "limits-only" | "none" (refused before running)
 
 
-_PROBE: Optional[tuple[bool, str]] = None
+_PROBE: tuple[bool, str] | None = None
 _PROBE_LOCK = threading.Lock()
 _WARNED = threading.Event()
 _WARN_LOCK = threading.Lock()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Optional
 
 import numpy as np
 
@@ -94,7 +93,7 @@ class TextWorld:
   def reward(self, task: Task, final_text: str) -> float:
     raise ValueError("textworld is interactive: the reward comes from its Episode")
 
-  def start(self, task: Task) -> "Household":
+  def start(self, task: Task) -> Household:
     return Household(task, _layout(task.meta["layout"], self.seed))
 
 
@@ -107,7 +106,7 @@ class Household:
     self.where = dict(layout["objects"])  # object -> receptacle, or "hand"
     self.state = {o: set() for o in self.where}  # clean / hot / cool
     self.opened: set[str] = set()
-    self.at: Optional[str] = None
+    self.at: str | None = None
     self.done = False
 
   def _contents(self, r):

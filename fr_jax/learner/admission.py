@@ -44,7 +44,6 @@ import threading
 import time
 import zlib
 from pathlib import Path
-from typing import Optional
 
 from fr_jax import faults
 from fr_jax.trajectory import record_key
@@ -72,7 +71,7 @@ def _frame(raw: bytes) -> bytes:
   return FRAME.pack(len(raw), zlib.crc32(raw)) + raw
 
 
-def _frame_at(data: bytes, i: int) -> tuple[bool, Optional[int]]:
+def _frame_at(data: bytes, i: int) -> tuple[bool, int | None]:
   """(whole and intact, payload length if the header is plausible) for a frame at `i`."""
   if i + FRAME.size > len(data):
     return False, None
@@ -107,7 +106,7 @@ class AdmissionLog:
     self.fsync = fsync
     self._lock = threading.Lock()
     self._live: dict[str, list] = {}  # traj_id -> [raw, settled version or None], in order
-    self._fd: Optional[int] = None
+    self._fd: int | None = None
     self._size = 0  # bytes of whole frames
     self.write_failures = 0
     existed = self.path.exists()
@@ -246,7 +245,7 @@ class AdmissionLog:
 class DeadLetters:
   """dead_letter.jsonl (or counts only, without a path); see the module docstring."""
 
-  def __init__(self, path: Optional[str]):
+  def __init__(self, path: str | None):
     self.path = Path(path) if path else None
     if self.path is not None:
       self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -269,7 +268,7 @@ class DeadLetters:
 
   @staticmethod
   def row(traj, reason: str, version: int, detail: str = "",
-          raw: Optional[bytes] = None) -> dict:
+          raw: bytes | None = None) -> dict:
     r = dict(traj_id=traj.traj_id, reason=reason, version=version, detail=detail,
              time=time.time(), prompt_id=traj.prompt_id, reward=float(traj.reward))
     if raw is not None:

@@ -15,7 +15,7 @@ restart comes back from the step before.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
@@ -32,11 +32,11 @@ class Checkpointer:
                                            enable_async_checkpointing=async_save)
     self.manager = ocp.CheckpointManager(self.dir, options=options)
 
-  def latest_step(self) -> Optional[int]:
+  def latest_step(self) -> int | None:
     """The newest step saved or being saved."""
     return self.manager.latest_step()
 
-  def committed_step(self) -> Optional[int]:
+  def committed_step(self) -> int | None:
     """The newest step whose save has finished (`committed_steps`)."""
     steps = committed_steps(self.dir)
     return steps[-1] if steps else None
@@ -51,7 +51,7 @@ class Checkpointer:
     return self.manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=force)
 
-  def restore(self, template_state, step: Optional[int] = None) -> tuple[Any, dict, int]:
+  def restore(self, template_state, step: int | None = None) -> tuple[Any, dict, int]:
     """(state, meta, step) of `step` (default: the latest). Raises FileNotFoundError if none."""
     step = self.latest_step() if step is None else step
     if step is None:

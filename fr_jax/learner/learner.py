@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -28,10 +28,8 @@ import optax
 from fr_jax import objective as obj
 from fr_jax.learner import checkpoint as ckpt
 from fr_jax.learner import config as lcfg
-from fr_jax.learner import diagnostics
+from fr_jax.learner import diagnostics, multihost, optim, step
 from fr_jax.learner import mesh as meshlib
-from fr_jax.learner import multihost
-from fr_jax.learner import optim, step
 from fr_jax.learner.metrics import MetricsWriter
 from fr_jax.models import decoder, registry
 from fr_jax.models.hf_io import export_hf
@@ -137,8 +135,8 @@ class Learner:
   metric files."""
 
   def __init__(self, config: ml_collections.ConfigDict,
-               model: Optional[registry.LoadedModel] = None, devices=None,
-               group: Optional[multihost.Group] = None):
+               model: registry.LoadedModel | None = None, devices=None,
+               group: multihost.Group | None = None):
     self.config = lcfg.ensure_valid(config)
     c = self.config
     self.group = group if group is not None else multihost.group()
@@ -231,7 +229,7 @@ class Learner:
     return np.asarray(obj.group_advantages(rewards, groups,
                                            self.config.objective.normalize_std))
 
-  def _micro_batches(self, trajs, reward_mean: float, advantages: Optional[np.ndarray]):
+  def _micro_batches(self, trajs, reward_mean: float, advantages: np.ndarray | None):
     """(packed batch, whole-batch normalisers, device micro-batches)."""
     packed = pack(trajs, self.spec)
     B = len(trajs)
@@ -249,7 +247,7 @@ class Learner:
     return packed, stats, dbs
 
   def _apply(self, trajs: Sequence[Trajectory], lags: np.ndarray, reward_mean: float,
-             advantages: Optional[np.ndarray]) -> dict:
+             advantages: np.ndarray | None) -> dict:
     t0 = time.perf_counter()
     packed, stats, dbs = self._micro_batches(trajs, reward_mean, advantages)
     acc, flops, segments = None, 0.0, []
@@ -347,7 +345,7 @@ class Learner:
     return minimize(list(range(len(trajs))), set())
 
   @_collective
-  def update(self, trajs: Sequence[Trajectory], *, lags: Optional[Sequence[int]] = None,
+  def update(self, trajs: Sequence[Trajectory], *, lags: Sequence[int] | None = None,
              log_ids: bool = True) -> dict:
     """One fresh batch of admitted records (checked by `trajectory.validate` against
     `record_limits` or tighter, once, where they were admitted: the learner service, or the
@@ -387,7 +385,7 @@ class Learner:
 
   # --- checkpoints and export ---
   @_collective
-  def save(self, data_state=None, *, force: bool = False, extra: Optional[dict] = None) -> bool:
+  def save(self, data_state=None, *, force: bool = False, extra: dict | None = None) -> bool:
     """Saves (asynchronously) every `checkpoint.every` versions, or now with force=True."""
     if self.checkpointer is None:
       return False
@@ -404,7 +402,7 @@ class Learner:
     return self.checkpointer.save(v, state, meta, force=force)
 
   @_collective
-  def restore(self, step_: Optional[int] = None) -> Optional[dict]:
+  def restore(self, step_: int | None = None) -> dict | None:
     """Restores the latest checkpoint if there is one; returns its meta (with data_state)."""
     if self.checkpointer is None or self.checkpointer.latest_step() is None:
       return None

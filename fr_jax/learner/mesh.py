@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 BATCH_AXES = ("data", "fsdp")
 

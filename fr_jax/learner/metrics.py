@@ -7,7 +7,6 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Optional
 
 from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
@@ -24,7 +23,7 @@ def _scalar(v):
 class MetricsWriter:
   """Writes scalar metrics per step to `<dir>/metrics.jsonl` and `<dir>/tb/`."""
 
-  def __init__(self, directory: Optional[str]):
+  def __init__(self, directory: str | None):
     self.dir = Path(directory) if directory else None
     self._jsonl = None
     self._tb = None

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import jax
 
@@ -57,7 +57,7 @@ def _client():
   return client
 
 
-def encode_call(method: str, trajs: Optional[Sequence[Trajectory]], kwargs: dict) -> bytes:
+def encode_call(method: str, trajs: Sequence[Trajectory] | None, kwargs: dict) -> bytes:
   """One announcement: a JSON header line, then each trajectory in the wire codec, each
   preceded by its length."""
   from fr_jax.transport import codec
@@ -67,7 +67,7 @@ def encode_call(method: str, trajs: Optional[Sequence[Trajectory]], kwargs: dict
   return head.encode() + b"\n" + b"".join(records or [])
 
 
-def decode_call(payload: bytes) -> tuple[str, Optional[list[Trajectory]], dict]:
+def decode_call(payload: bytes) -> tuple[str, list[Trajectory] | None, dict]:
   from fr_jax.transport import codec
   head, _, body = payload.partition(b"\n")
   h = json.loads(head)
@@ -83,7 +83,7 @@ def decode_call(payload: bytes) -> tuple[str, Optional[list[Trajectory]], dict]:
 class Group:
   """This process's place in a multi-process learner, and the announcement channel."""
 
-  def __init__(self, process_id: Optional[int] = None, num_processes: Optional[int] = None,
+  def __init__(self, process_id: int | None = None, num_processes: int | None = None,
                client=None):
     self.process_id = jax.process_index() if process_id is None else process_id
     self.num_processes = jax.process_count() if num_processes is None else num_processes
@@ -100,14 +100,14 @@ class Group:
       self._client = _client()
     return self._client
 
-  def announce(self, method: str, trajs: Optional[Sequence[Trajectory]], kwargs: dict) -> None:
+  def announce(self, method: str, trajs: Sequence[Trajectory] | None, kwargs: dict) -> None:
     assert self.leader, "only process 0 announces learner calls"
     self.client.key_value_set_bytes(f"{_PREFIX}{self._n}", encode_call(method, trajs, kwargs))
     if self._n >= KEEP:
       self.client.key_value_delete(f"{_PREFIX}{self._n - KEEP}")
     self._n += 1
 
-  def receive(self) -> tuple[str, Optional[list[Trajectory]], dict]:
+  def receive(self) -> tuple[str, list[Trajectory] | None, dict]:
     """The next call process 0 announced; waits as long as it takes."""
     key = f"{_PREFIX}{self._n}"
     while True:
@@ -121,7 +121,7 @@ class Group:
     return decode_call(payload)
 
 
-def group() -> Optional[Group]:
+def group() -> Group | None:
   """This process's group when JAX runs several processes, else None."""
   return Group() if jax.process_count() > 1 else None
 

@@ -26,8 +26,8 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 from fr_jax.learner.admission import AdmissionLog, DeadLetters, Producers, owed_records
 from fr_jax.learner.inflight import InflightController
@@ -35,8 +35,14 @@ from fr_jax.learner.metrics import read_jsonl
 from fr_jax.learner.publish import Publisher
 from fr_jax.learner.trajectory_queue import TrajectoryQueue
 from fr_jax.learner.workers import WorkerTable
-from fr_jax.trajectory import (REASONS, RETRY_REASONS, Trajectory, TrajectoryError,
-                               record_key, validate)
+from fr_jax.trajectory import (
+  REASONS,
+  RETRY_REASONS,
+  Trajectory,
+  TrajectoryError,
+  record_key,
+  validate,
+)
 
 log = logging.getLogger("fr_jax.service")
 
@@ -59,11 +65,11 @@ class LearnerService:
 
   def __init__(self, learner, *, queue_capacity: int = 256, max_lag: int = -1,
                publish_every: int = 1, hf_export_dir: str = "", inflight: int = 0,
-               controller: Optional[InflightController] = None, max_length: Optional[int] = None,
+               controller: InflightController | None = None, max_length: int | None = None,
                admission_log: str = "", dead_letter: str = "", log_fsync: bool = True,
                max_producers: int = 65536, producer_ttl_versions: int = 100,
                worker_timeout_s: float = 300.0,
-               encode: Optional[Callable] = None, decode: Optional[Callable] = None):
+               encode: Callable | None = None, decode: Callable | None = None):
     self.learner = learner
     self.B = learner.config.batch_size * learner.config.minibatches
     self.queue = TrajectoryQueue(queue_capacity)
@@ -136,8 +142,8 @@ class LearnerService:
   def lag(self, traj: Trajectory) -> int:
     return self.version - traj.min_policy_version
 
-  def offer(self, traj, *, timeout: Optional[float] = None,
-            raw: Optional[bytes] = None) -> tuple[bool, str]:
+  def offer(self, traj, *, timeout: float | None = None,
+            raw: bytes | None = None) -> tuple[bool, str]:
     """Admits or refuses one record: (admitted, reason). True is the acknowledgement: the
     record is in the queue and, when `raw` (its serialised form) is given and the service
     keeps a log, durably in the admission log. Blocks while the queue is full. Reasons in
@@ -241,7 +247,7 @@ class LearnerService:
             self.rejected["stale"] += 1
 
   # --- the update loop ---
-  def next_batch(self, stop: threading.Event) -> Optional[list[Trajectory]]:
+  def next_batch(self, stop: threading.Event) -> list[Trajectory] | None:
     """The next B admitted trajectories in arrival order (stale ones dead-lettered), or None
     when stopped (anything taken goes back to the queue)."""
     batch, self._taken_lag = [], {}
@@ -302,7 +308,7 @@ class LearnerService:
     log.warning("non-finite update at version %d: quarantined %s; %d record(s) given back",
                 self.version, [t.traj_id for t in offenders], len(rest))
 
-  def run(self, max_updates: int, stop: Optional[threading.Event] = None,
+  def run(self, max_updates: int, stop: threading.Event | None = None,
           on_update=None) -> dict:
     """Updates until `max_updates` in total (counting restored ones) or `stop`; saves a
     checkpoint after the last one. Returns the run summary."""
@@ -350,7 +356,7 @@ class LearnerService:
     self.log.compact(committed)
     self._compacted_at = committed
 
-  def restore(self) -> Optional[dict]:
+  def restore(self) -> dict | None:
     """Restores the latest committed checkpoint (parameters, optimizer, version, producer
     watermarks, counts); forgets the metric rows of updates it does not hold (they are
     redone); queues again what the admission log still owes (neither used by a checkpointed

@@ -18,7 +18,7 @@ here, from the objective's own outputs.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -143,14 +143,14 @@ def _add(acc, grads, sums, maxes):
           "maxes": {k: jnp.maximum(acc["maxes"][k], v) for k, v in maxes.items()}}
 
 
-def accumulate(params, acc: Optional[dict], batch, stats, *, sc: StepConfig):
+def accumulate(params, acc: dict | None, batch, stats, *, sc: StepConfig):
   """A non-final micro-batch: adds its gradient and metric sums to `acc` (None to start).
   Returns (acc, per-trajectory values [S])."""
   grads, sums, maxes, segment = _grads_and_sums(params, batch, stats, sc)
   return _add(acc, grads, sums, maxes), segment
 
 
-def update(state: TrainState, acc: Optional[dict], batch, stats, *, sc: StepConfig,
+def update(state: TrainState, acc: dict | None, batch, stats, *, sc: StepConfig,
            optimizer: optax.GradientTransformation, lr_schedule):
   """The final micro-batch of a batch: accumulate it, then one guarded optimizer step.
 

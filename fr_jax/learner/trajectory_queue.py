@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Optional
 
 
 class TrajectoryQueue:
@@ -29,7 +28,7 @@ class TrajectoryQueue:
   def __len__(self):
     return len(self._items)
 
-  def reserve(self, timeout: Optional[float] = None, force: bool = False) -> bool:
+  def reserve(self, timeout: float | None = None, force: bool = False) -> bool:
     """False if still full after `timeout` seconds (None: wait forever) or closed. `force`
     ignores the capacity (records replayed after a restart, admitted before)."""
     with self._cv:
@@ -51,7 +50,7 @@ class TrajectoryQueue:
       self._items.append(item)
       self._cv.notify_all()
 
-  def put(self, item, timeout: Optional[float] = None, force: bool = False) -> bool:
+  def put(self, item, timeout: float | None = None, force: bool = False) -> bool:
     if not self.reserve(timeout, force):
       return False
     self.commit(item)
@@ -62,7 +61,7 @@ class TrajectoryQueue:
       self._items.extendleft(reversed(list(items)))
       self._cv.notify_all()
 
-  def pop(self, timeout: Optional[float] = None):
+  def pop(self, timeout: float | None = None):
     """The oldest item, or None after `timeout` seconds / when closed and empty."""
     with self._cv:
       if not self._cv.wait_for(lambda: self._items or self.closed, timeout) or not self._items:

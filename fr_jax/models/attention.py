@@ -22,7 +22,7 @@ this one rule. `attend` picks the path:
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -75,7 +75,7 @@ def attention(q, k, v, mask, cd):
 
 
 def resolve(impl: str, query_len: int, packed: bool = True,
-            backend: Optional[str] = None) -> str:
+            backend: str | None = None) -> str:
   """The path `impl` means for queries of `query_len` tokens (packed rows, or a cache)."""
   check_attention(impl)
   if impl == "auto":
@@ -153,7 +153,7 @@ def _pad_to_blocks(q, k, v, segment_ids):
   return q, k, v, segment_ids.astype(jnp.int32)
 
 
-def pallas_gpu_attention(q, k, v, segment_ids, cd, interpret: Optional[bool] = None):
+def pallas_gpu_attention(q, k, v, segment_ids, cd, interpret: bool | None = None):
   """Packed causal attention by the Pallas GPU kernel: q [B, L, H, hd], k/v [B, L, KVH, hd],
   segment_ids [B, L] -> [B, L, H, hd] f32. Interpret mode off a GPU unless told."""
   from jax.experimental.pallas.ops.gpu import attention as pallas_mha
@@ -172,7 +172,7 @@ def pallas_gpu_attention(q, k, v, segment_ids, cd, interpret: Optional[bool] = N
   return out[:, :L].astype(F32)
 
 
-def splash_tpu_attention(q, k, v, segment_ids, cd, interpret: Optional[bool] = None):
+def splash_tpu_attention(q, k, v, segment_ids, cd, interpret: bool | None = None):
   """Packed causal attention by the Pallas TPU splash kernel: q [B, L, H, hd],
   k/v [B, L, KVH, hd], segment_ids [B, L] -> [B, L, H, hd] f32. Each K/V head runs one
   multi-query kernel over its group of query heads. Interpret mode off a TPU unless told."""

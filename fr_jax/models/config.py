@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -38,7 +38,7 @@ class ModelConfig:
   head_dim: int
   rope_theta: float = 10000.0
   # Llama-3 rope scaling: (factor, low_freq_factor, high_freq_factor, original_max_positions).
-  rope_llama3: Optional[tuple[float, float, float, int]] = None
+  rope_llama3: tuple[float, float, float, int] | None = None
   rms_norm_eps: float = 1e-6
   tie_embeddings: bool = False
   qkv_bias: bool = False  # Qwen2: True
@@ -46,8 +46,8 @@ class ModelConfig:
   mlp_bias: bool = False
   qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head, before RoPE
   max_position_embeddings: int = 8192
-  bos_token_id: Optional[int] = None
-  eos_token_id: Optional[int] = None
+  bos_token_id: int | None = None
+  eos_token_id: int | None = None
   param_dtype: str = "float32"  # storage dtype of parameters
   compute_dtype: str = "float32"  # matmul inputs; accumulation and norms stay f32
   # auto | naive | flash | pallas_gpu | splash_tpu (fr_jax.models.attention): how attention is computed,
@@ -67,7 +67,7 @@ class ModelConfig:
     if self.head_dim % 2:
       raise ConfigError(f"head_dim={self.head_dim} must be even for RoPE")
 
-  def replace(self, **kw) -> "ModelConfig":
+  def replace(self, **kw) -> ModelConfig:
     return dataclasses.replace(self, **kw)
 
   @property
@@ -114,7 +114,7 @@ class ModelConfig:
     return np.where(medium, smoothed, scaled)
 
 
-def _rope(cfg: dict[str, Any]) -> tuple[float, Optional[tuple]]:
+def _rope(cfg: dict[str, Any]) -> tuple[float, tuple | None]:
   """(rope_theta, llama3 scaling) from either the legacy or the `rope_parameters` format."""
   params = cfg.get("rope_parameters") or {}
   scaling = cfg.get("rope_scaling") or {}

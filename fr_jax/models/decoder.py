@@ -24,7 +24,7 @@ float32.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -193,7 +193,7 @@ def _layer(cfg: ModelConfig, h, lp, cos, sin, vis, cache_kv, cache_start, window
 
 
 def forward(params: Params, cfg: ModelConfig, tokens, positions, segment_ids=None, *,
-            cache: Optional[dict] = None, remat: bool = False, window: Optional[int] = None):
+            cache: dict | None = None, remat: bool = False, window: int | None = None):
   """Final hidden states [B, L, D] (f32, after the final norm) and the updated cache.
 
   Packed mode: pass `segment_ids` (and no cache). Cached mode: pass `cache` from
@@ -272,7 +272,7 @@ LOGITS_BUDGET = 2**27  # float32 logits held at once by scoring (512 MiB)
 
 
 def score_hidden(params: Params, cfg: ModelConfig, hidden, targets, temperature=1.0,
-                 chunk_size: Optional[int | str] = "auto"):
+                 chunk_size: int | str | None = "auto"):
   """Log-probs of `targets` under softmax(logits / temperature), and the entropy of that
   distribution, from hidden states [..., D] and targets [...]. Returns float32 [...] each.
 
@@ -303,7 +303,7 @@ def score_hidden(params: Params, cfg: ModelConfig, hidden, targets, temperature=
 
 
 def score_packed(params: Params, cfg: ModelConfig, tokens, targets, positions, segment_ids,
-                 temperature=1.0, *, remat=False, chunk_size: Optional[int | str] = "auto"):
+                 temperature=1.0, *, remat=False, chunk_size: int | str | None = "auto"):
   """Learner scoring on a packed batch: (logp, entropy), each float32 [R, L]."""
   h, _ = forward(params, cfg, tokens, positions, segment_ids, remat=remat)
   return score_hidden(params, cfg, h, jnp.asarray(targets), temperature, chunk_size)
@@ -322,8 +322,8 @@ class Layers(nnx.Module):
 class Decoder(nnx.Module):
   """Flax NNX decoder. `params()` gives the pure tree the jitted functions take."""
 
-  def __init__(self, cfg: ModelConfig, *, rngs: Optional[nnx.Rngs] = None,
-               params: Optional[Params] = None):
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs | None = None,
+               params: Params | None = None):
     self.config = cfg
     if params is None:
       rngs = rngs or nnx.Rngs(0)

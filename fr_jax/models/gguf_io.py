@@ -27,7 +27,6 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Optional
 
 import gguf
 import numpy as np
@@ -226,10 +225,11 @@ _LLAMA_CPP_PRE = {"gpt2": "gpt-2", "smollm": "smollm", "qwen2": "qwen2",
                   "llama-bpe": "llama-bpe"}
 
 
-def _gguf_pre(spec: Optional[dict], has_merges: bool) -> str:
+def _gguf_pre(spec: dict | None, has_merges: bool) -> str:
   """The `tokenizer.ggml.pre` whose splitting is `spec`'s: the llama.cpp name of the fr_jax
   pre-tokenizer (`tokenizer._pre_tokenizer`) that serialises to the same splitting rules."""
   import tokenizers
+
   from fr_jax.models import tokenizer as toklib
   want = _pre_semantics(spec)
   for name, llama_cpp_name in _LLAMA_CPP_PRE.items():

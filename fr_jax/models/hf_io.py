@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Optional
 
 import ml_dtypes
 import numpy as np
@@ -76,7 +75,7 @@ def _read_tensors(files: list[Path]) -> dict[str, np.ndarray]:
   return out
 
 
-def load_hf(path, *, param_dtype: Optional[str] = None, compute_dtype: Optional[str] = None):
+def load_hf(path, *, param_dtype: str | None = None, compute_dtype: str | None = None):
   """Reads a HF model directory. Returns (ModelConfig, params of NumPy arrays)."""
   path = Path(path)
   cfg_file = path / "config.json"
@@ -146,7 +145,7 @@ def hf_tensors_from_params(params, cfg: ModelConfig) -> dict[str, np.ndarray]:
   return {name: np.ascontiguousarray(a) for name, a in iter_hf_tensors(params, cfg)}
 
 
-def save_hf(path, params, cfg: ModelConfig, *, tokenizer_files: Optional[dict] = None,
+def save_hf(path, params, cfg: ModelConfig, *, tokenizer_files: dict | None = None,
             max_shard_bytes: int = 5 * 2**30) -> Path:
   """Writes config.json and safetensors (sharded with an index above `max_shard_bytes`).
 

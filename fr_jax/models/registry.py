@@ -20,7 +20,7 @@ import importlib.util
 import json
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -97,7 +97,7 @@ class LoadedModel:
   name: str
   config: ModelConfig
   params: Any  # nested dict of jax arrays
-  tokenizer: Optional[Tokenizer]
+  tokenizer: Tokenizer | None
   source: str
   load_seconds: float
 
@@ -130,7 +130,7 @@ def _to_device(params, cfg: ModelConfig):
   return jax.tree.map(lambda a: jnp.asarray(a, dtype), params)
 
 
-def _source(name: str) -> tuple[str, Optional[Path]]:
+def _source(name: str) -> tuple[str, Path | None]:
   """How `name` is found: ("tiny" | "random" | "gguf" | "hf", the file or directory)."""
   if name in TINY_CONFIGS:
     return "tiny", None
@@ -151,7 +151,7 @@ def _source(name: str) -> tuple[str, Optional[Path]]:
 @dataclasses.dataclass
 class ModelInfo:
   config: ModelConfig
-  tokenizer: Optional[Tokenizer]
+  tokenizer: Tokenizer | None
   gguf_reader: Any  # a GGUF model's gguf.GGUFReader (its metadata), else None
 
 

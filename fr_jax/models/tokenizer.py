@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 import jinja2.sandbox
 import tokenizers
@@ -65,19 +65,19 @@ CHATML_DEFAULT = ("{% for message in messages %}{{'<|im_start|>' + message['role
 class Tokenizer:
   """Text <-> token ids, special tokens and chat templates for one model."""
 
-  def __init__(self, tok: tokenizers.Tokenizer, *, chat_template: Optional[str] = None,
-               bos_token: Optional[str] = None, eos_token: Optional[str] = None,
+  def __init__(self, tok: tokenizers.Tokenizer, *, chat_template: str | None = None,
+               bos_token: str | None = None, eos_token: str | None = None,
                add_bos: bool = False):
     self.tok = tok
-    self._plain_tok: Optional[tokenizers.Tokenizer] = None
+    self._plain_tok: tokenizers.Tokenizer | None = None
     self._plain_lock = threading.Lock()
-    self._added_cache: Optional[tuple] = None
+    self._added_cache: tuple | None = None
     self.chat_template = chat_template
     self.bos_token, self.eos_token, self.add_bos = bos_token, eos_token, add_bos
 
   # --- construction ---
   @classmethod
-  def from_file(cls, path) -> "Tokenizer":
+  def from_file(cls, path) -> Tokenizer:
     """From a HF directory (or a tokenizer.json path); reads tokenizer_config.json if present."""
     path = Path(path)
     tj = path / "tokenizer.json" if path.is_dir() else path
@@ -99,7 +99,7 @@ class Tokenizer:
                add_bos=bool(conf.get("add_bos_token", False)))
 
   @classmethod
-  def from_gguf(cls, reader) -> "Tokenizer":
+  def from_gguf(cls, reader) -> Tokenizer:
     """Builds a byte-level BPE tokenizer from a GGUF reader's vocabulary and merges."""
     f = lambda k, d=None: (reader.fields[k].contents() if k in reader.fields else d)  # noqa
     model = f("tokenizer.ggml.model")
@@ -122,7 +122,7 @@ class Tokenizer:
                add_bos=bool(f("tokenizer.ggml.add_bos_token", False)))
 
   @classmethod
-  def byte_level(cls) -> "Tokenizer":
+  def byte_level(cls) -> Tokenizer:
     """A self-contained byte-level tokenizer: the 256 bytes plus the ChatML specials
     <|endoftext|>, <|im_start|>, <|im_end|> (ids 256-258). For tiny test models that need
     real text in and out (agent loops, smoke runs) without any downloaded vocabulary."""
@@ -141,11 +141,11 @@ class Tokenizer:
   def vocab_size(self) -> int:
     return self.tok.get_vocab_size(with_added_tokens=True)
 
-  def token_id(self, token: str) -> Optional[int]:
+  def token_id(self, token: str) -> int | None:
     return self.tok.token_to_id(token)
 
   @property
-  def eos_id(self) -> Optional[int]:
+  def eos_id(self) -> int | None:
     return None if self.eos_token is None else self.token_id(self.eos_token)
 
   def stop_ids(self) -> list[int]:
@@ -153,7 +153,7 @@ class Tokenizer:
     ids = {self.eos_id, self.token_id("<|im_end|>"), self.token_id("<|endoftext|>")}
     return sorted(i for i in ids if i is not None)
 
-  def encode(self, text: str, add_bos: Optional[bool] = None) -> list[int]:
+  def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
     """Token ids; special tokens written in the text (e.g. <|im_start|>) map to their ids."""
     ids = self.tok.encode(text, add_special_tokens=False).ids
     if (self.add_bos if add_bos is None else add_bos) and self.bos_token is not None:

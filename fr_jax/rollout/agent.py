@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -52,7 +52,7 @@ class AgentConfig:
   tool_limits: Limits = dataclasses.field(default_factory=Limits)
 
 
-def parse_tool_call(text: str) -> tuple[Optional[str], Optional[str]]:
+def parse_tool_call(text: str) -> tuple[str | None, str | None]:
   """(code, error) from a model turn: code if it holds a well-formed python call, an error
   message if it holds a malformed one, (None, None) if it holds none. The call is the text
   between the first <tool_call> and the first </tool_call> after it, whitespace stripped;

@@ -40,7 +40,7 @@ import collections
 import dataclasses
 import functools
 import time
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -242,7 +242,7 @@ class EmbeddedEngine:
     s.logprobs.append(lp)
     s.versions.append(self.version)
 
-  def _finished(self, s: _Slot) -> Optional[str]:
+  def _finished(self, s: _Slot) -> str | None:
     r = s.req
     if s.tokens[-1] in r.stop_token_ids:
       return "stop"
@@ -259,7 +259,7 @@ class EmbeddedEngine:
                       len(s.req.prompt_ids), s.ttft)
 
   def generate(self, requests: Sequence[Request],
-               should_abort: Optional[Callable[[], bool]] = None) -> list[Completion]:
+               should_abort: Callable[[], bool] | None = None) -> list[Completion]:
     """Runs every request to completion (or abort), in continuous batches of num_slots.
     Returns completions in request order."""
     for r in requests:
@@ -268,7 +268,7 @@ class EmbeddedEngine:
     if len(order) != len(requests):
       raise ValueError("request ids must be unique within one generate() call")
     waiting = collections.deque(requests)
-    slots: list[Optional[_Slot]] = [None] * self.num_slots
+    slots: list[_Slot | None] = [None] * self.num_slots
     out: dict[str, Completion] = {}
     t0 = time.perf_counter()
     S = self.num_slots

@@ -11,7 +11,8 @@ embedded JAX engine (`fr_jax.rollout.embedded`) and an SGLang server or gateway
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 FINISH = ("stop", "length", "abort")
 
@@ -27,7 +28,7 @@ class Request:
   stop_token_ids: tuple[int, ...] = ()
   stop_strings: tuple[str, ...] = ()
 
-  def check(self, vocab_size: Optional[int] = None):
+  def check(self, vocab_size: int | None = None):
     if not self.prompt_ids:
       raise ValueError(f"request {self.request_id!r}: empty prompt")
     if self.max_new_tokens < 1:
@@ -54,7 +55,7 @@ class Engine(Protocol):
   version: int
 
   def generate(self, requests: Sequence[Request],
-               should_abort: Optional[Callable[[], bool]] = None) -> list[Completion]:
+               should_abort: Callable[[], bool] | None = None) -> list[Completion]:
     ...
 
   def update_weights(self, weights, version: int) -> None:

@@ -54,7 +54,7 @@ import enum
 import json
 import threading
 import time
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import requests
 from requests.adapters import HTTPAdapter
@@ -104,7 +104,7 @@ def _cause(e: BaseException) -> BaseException:
 
 class SGLangEngine:
   def __init__(self, base_url: str, *, timeout: float = 600.0, connect_timeout: float = 10.0,
-               max_concurrency: int = 64, api_key: Optional[str] = None,
+               max_concurrency: int = 64, api_key: str | None = None,
                max_resumes: int = 8, version: int = 0, retries: int = 4,
                backoff: float = 1.0):
     if not (timeout > 0 and connect_timeout > 0):
@@ -139,7 +139,7 @@ class SGLangEngine:
       self._http.headers["Authorization"] = f"Bearer {api_key}"
 
   # --- HTTP ---
-  def _call(self, path: str, payload: Optional[dict] = None, method: str = "POST"):
+  def _call(self, path: str, payload: dict | None = None, method: str = "POST"):
     data = None if payload is None else json.dumps(payload).encode()
     try:
       r = self._http.request(method, self.base_url + path, data=data,
@@ -182,7 +182,7 @@ class SGLangEngine:
             "logprob_start_len": -1, "rid": r.request_id}
 
   @staticmethod
-  def parse(answer: dict) -> tuple[list[int], list[float], str, Optional[int]]:
+  def parse(answer: dict) -> tuple[list[int], list[float], str, int | None]:
     """(token ids, log-probs, finish reason, weight version) from one /generate answer.
     Other fields (text, output_ids, input_token_logprobs, token counts, timings) are
     ignored; a missing, empty or "default" weight_version gives None."""
@@ -230,7 +230,7 @@ class SGLangEngine:
     return Completion(r.request_id, ids, lps, reason, versions, len(r.prompt_ids), ttft)
 
   def generate(self, requests: Sequence[Request],
-               should_abort: Optional[Callable[[], bool]] = None) -> list[Completion]:
+               should_abort: Callable[[], bool] | None = None) -> list[Completion]:
     futures = [self._pool.submit(self._one, r, should_abort) for r in requests]
     if should_abort is not None:
       while not all(f.done() for f in futures):

@@ -18,7 +18,6 @@ import logging
 import threading
 import time
 import uuid
-from typing import Optional
 
 from fr_jax.envs.base import prompt_dataset, stable_hash
 from fr_jax.rollout.agent import AgentConfig, AgentLoop
@@ -84,7 +83,7 @@ class Worker:
     self._k += 1
     seeds.append(stable_hash(f"{self.seed}/{self.worker_id}/{self.nonce}/{self._k}") % 2**31)
 
-  def run(self, stop: Optional[threading.Event] = None) -> int:
+  def run(self, stop: threading.Event | None = None) -> int:
     """Produces trajectories until `stop` or the learner's shutdown; returns how many."""
     stop = stop or threading.Event()
     eps, seeds = [], []

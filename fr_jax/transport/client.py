@@ -34,15 +34,14 @@ import itertools
 import logging
 import threading
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import grpc
 import jax.numpy as jnp
 
 from fr_jax.trajectory import RETRY_REASONS
-from fr_jax.transport import codec
+from fr_jax.transport import codec, rpc
 from fr_jax.transport import fr_jax_pb2 as pb
-from fr_jax.transport import rpc
 from fr_jax.transport.server import CHANNEL_OPTIONS
 
 log = logging.getLogger("fr_jax.transport")
@@ -56,7 +55,7 @@ class LocalClient:
     self.service, self.worker_id = service, worker_id
     self.acks = collections.Counter()
 
-  def push(self, traj, stop: Optional[threading.Event] = None) -> None:
+  def push(self, traj, stop: threading.Event | None = None) -> None:
     while True:
       ok, reason = self.service.offer(traj, timeout=1.0)
       if reason not in RETRY_REASONS or self.service.shutdown.is_set() or (
@@ -70,7 +69,7 @@ class LocalClient:
     got = self.service.weights(min_version)
     return None if got is None else (got[0], got[1], self.service.hf_dir)
 
-  def heartbeat(self, stats: dict) -> Optional[dict]:
+  def heartbeat(self, stats: dict) -> dict | None:
     return self.service.heartbeat(self.worker_id, stats)
 
   def flush(self, timeout: float = 0.0) -> bool:
@@ -146,7 +145,7 @@ class WeightsClient:
     v, flat, hf_dir = got
     return v, codec.unflatten({k: jnp.asarray(a) for k, a in flat.items()}), hf_dir
 
-  def heartbeat(self, stats: dict, timeout: float = 5.0) -> Optional[dict]:
+  def heartbeat(self, stats: dict, timeout: float = 5.0) -> dict | None:
     try:
       r = self.stub.Heartbeat(pb.WorkerStats(worker_id=self.worker_id, **stats),
                               metadata=self._md, timeout=timeout)
@@ -164,7 +163,7 @@ class GrpcClient(WeightsClient):
   def __init__(self, address: str, *, worker_id: str = "worker", token: str = "",
                tls_ca: str = "", tls_cert: str = "", tls_key: str = "", outbox_size: int = 8,
                max_unacked: int = 8, backoff_min: float = 0.2, backoff_max: float = 5.0,
-               on_ack: Optional[Callable[[str, bool, str], None]] = None):
+               on_ack: Callable[[str, bool, str], None] | None = None):
     super().__init__(address, worker_id=worker_id, token=token, tls_ca=tls_ca,
                      tls_cert=tls_cert, tls_key=tls_key)
     self._cv = threading.Condition()  # guards the outbox, the pending records, _gen
@@ -184,7 +183,7 @@ class GrpcClient(WeightsClient):
     self._sender.start()
 
   # --- trajectories ---
-  def push(self, traj, stop: Optional[threading.Event] = None) -> None:
+  def push(self, traj, stop: threading.Event | None = None) -> None:
     """Queues one record for the stream; blocks while the outbox is full (until `stop`).
     Records must be pushed in the order of their ids' sequence numbers."""
     msg = codec.trajectory_to_proto(traj, self.worker_id) if not isinstance(

@@ -12,7 +12,7 @@ tensor matches its CRC, and otherwise raises `WeightsError` with a named reason.
 from __future__ import annotations
 
 import zlib
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
 import numpy as np
@@ -140,7 +140,7 @@ def tensor_crcs(flat: dict[str, np.ndarray]) -> dict[str, int]:
 
 def weight_chunks(version: int, flat: dict[str, np.ndarray], hf_dir: str = "",
                   chunk_bytes: int = CHUNK_BYTES,
-                  crcs: Optional[dict[str, int]] = None) -> Iterator[pb.WeightsChunk]:
+                  crcs: dict[str, int] | None = None) -> Iterator[pb.WeightsChunk]:
   """Every tensor as one or more byte-range chunks; the first chunk carries the count and
   each tensor's last chunk its CRC-32 (`crcs`, computed here when not given)."""
   first = True

@@ -37,8 +37,8 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import numpy as np
 
@@ -57,7 +57,7 @@ class RelayError(RuntimeError):
 
 # --- the model's HF config and tokenizer, without its weights ---
 def model_spec(name: str, *, param_dtype: str = "float32",
-               compute_dtype: str = "float32") -> tuple[ModelConfig, Optional[dict]]:
+               compute_dtype: str = "float32") -> tuple[ModelConfig, dict | None]:
   """(ModelConfig, tokenizer files or None) of a registry model name, read from its shapes,
   GGUF metadata or config.json; no weights are loaded."""
   from fr_jax.models import registry
@@ -70,6 +70,7 @@ def model_spec(name: str, *, param_dtype: str = "float32",
     return registry.shape_config(name.removeprefix("random:"), **dt), None
   if name == registry.DEFAULT_MODEL or name.startswith("gguf:") or name.endswith(".gguf"):
     import gguf
+
     from fr_jax.models.gguf_io import config_from_gguf
     path = (registry.smollm2_gguf_path() if name == registry.DEFAULT_MODEL
             else Path(name.removeprefix("gguf:")))
@@ -78,6 +79,7 @@ def model_spec(name: str, *, param_dtype: str = "float32",
     reader = gguf.GGUFReader(str(path))  # memory-mapped: only the metadata is read
     return config_from_gguf(reader, **dt), Tokenizer.from_gguf(reader).files()
   import json
+
   from fr_jax.models.config import from_hf_config
   path = Path(name.removeprefix("hf:"))
   if not (path / "config.json").is_file():
@@ -149,7 +151,7 @@ def _fsync(path: Path) -> None:
 
 
 def write_version(root, version: int, params, cfg: ModelConfig,
-                  tokenizer_files: Optional[dict] = None, *, save=save_hf) -> Path:
+                  tokenizer_files: dict | None = None, *, save=save_hf) -> Path:
   """Writes `params` as HF safetensors to `root/vNNNNNNNN`, atomically: into a hidden
   temporary directory, every file and the directory fsynced, renamed, the parent fsynced.
   On any exception (or a kill) no `vNNNNNNNN` is left half-written. A version already there
@@ -224,7 +226,7 @@ class Relay:
   """Follows the learner (a `client.WeightsClient`) for one server (`load`)."""
 
   def __init__(self, client, load: Callable[[str, int], None], out_dir, cfg: ModelConfig,
-               tokenizer_files: Optional[dict] = None, *, server: str = "the server",
+               tokenizer_files: dict | None = None, *, server: str = "the server",
                keep: int = 2, poll_s: float = 1.0, load_errors: tuple = (OSError,),
                backoff_min: float = 0.2, backoff_max: float = 5.0,
                fetch_timeout_s: float = 3600.0, max_fetch_attempts: int = 8,
@@ -273,7 +275,7 @@ class Relay:
       return v, flat, attempts, time.perf_counter() - t0
     return None
 
-  def deliver(self, min_version: int, stop: threading.Event) -> Optional[Delivery]:
+  def deliver(self, min_version: int, stop: threading.Event) -> Delivery | None:
     """Fetches, writes and loads the learner's weights if their version >= min_version."""
     got = self.fetch(min_version, stop)
     if got is None:

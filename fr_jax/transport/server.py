@@ -24,15 +24,13 @@ import logging
 import threading
 from concurrent import futures
 from pathlib import Path
-from typing import Optional
 
 import grpc
 import numpy as np
 
 from fr_jax.trajectory import TrajectoryError
-from fr_jax.transport import codec
+from fr_jax.transport import codec, rpc
 from fr_jax.transport import fr_jax_pb2 as pb
-from fr_jax.transport import rpc
 
 log = logging.getLogger("fr_jax.transport")
 
@@ -199,5 +197,5 @@ def serve(service, address: str = "127.0.0.1:0", *, token: str = "", tls_cert: s
   return server, port
 
 
-def stop(server, grace: Optional[float] = 1.0):
+def stop(server, grace: float | None = 1.0):
   server.stop(grace).wait()

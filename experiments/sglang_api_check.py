@@ -50,7 +50,8 @@ import os
 import subprocess
 import sys
 import zipfile
-from typing import Iterable, Mapping, NamedTuple, Optional
+from collections.abc import Iterable, Mapping
+from typing import NamedTuple
 
 from absl import app, flags
 
@@ -132,7 +133,7 @@ _ROUTE_DECORATORS = {"get": {"GET"}, "post": {"POST"}, "put": {"PUT"}, "delete":
 
 
 # --- reading SGLang's source with ast ---
-def _str(node) -> Optional[str]:
+def _str(node) -> str | None:
   return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
 
 
@@ -143,7 +144,7 @@ def _strs(node) -> set[str]:
   return set()
 
 
-def _route_of(call) -> Optional[tuple[str, set[str]]]:
+def _route_of(call) -> tuple[str, set[str]] | None:
   """(path, methods) of `X.post(path)`, `X.api_route(path, methods=[...])`, or None."""
   if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)):
     return None
@@ -159,7 +160,7 @@ def _route_of(call) -> Optional[tuple[str, set[str]]]:
   return path, (_strs(kw["methods"]) if "methods" in kw else {"GET"})  # FastAPI's default
 
 
-def find_routes(tree: ast.Module) -> dict[str, list[tuple[set[str], Optional[ast.AST]]]]:
+def find_routes(tree: ast.Module) -> dict[str, list[tuple[set[str], ast.AST | None]]]:
   """path -> [(methods, handler function)] for every route the module registers."""
   functions = {n.name: n for n in tree.body
                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
@@ -180,7 +181,7 @@ def find_routes(tree: ast.Module) -> dict[str, list[tuple[set[str], Optional[ast
   return routes
 
 
-def _annotation_name(ann) -> Optional[str]:
+def _annotation_name(ann) -> str | None:
   """`X`, `Annotated[X, ...]`, `Optional[X]` -> "X"."""
   if isinstance(ann, ast.Name):
     return ann.id
@@ -192,7 +193,7 @@ def _annotation_name(ann) -> Optional[str]:
   return None
 
 
-def handler_request_type(fn, classes: Mapping[str, ast.ClassDef]) -> Optional[str]:
+def handler_request_type(fn, classes: Mapping[str, ast.ClassDef]) -> str | None:
   """The first parameter type of a route handler that is a class of `classes`."""
   for a in (fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs) if fn else ():
     name = _annotation_name(a.annotation) if a.annotation is not None else None
@@ -336,7 +337,7 @@ def server_defaults(trees: Iterable[ast.Module]) -> set[str]:
 
 
 # --- the check ---
-def _parse(sources: Mapping[str, str], path: str) -> Optional[ast.Module]:
+def _parse(sources: Mapping[str, str], path: str) -> ast.Module | None:
   text = sources.get(path)
   return None if text is None else ast.parse(text, filename=path)
 
@@ -374,40 +375,35 @@ def check(sources: Mapping[str, str], uses: Iterable[Use] = USES) -> list[dict]:
       fields.update(class_fields(io_classes, t))
     return f"{IO_STRUCT}:{'/'.join(sorted(types))}", fields
 
-  records = []
-  for use in uses:
-    found, missing = [], []
-
-    def verdict(where, ok):
-      (found if ok else missing).append(where)
-
+  def verdicts(use: Use) -> list[tuple[str, bool]]:
+    """(where it was looked for, found there) for one use."""
     if use.kind == "route":
       methods = set().union(*(m for m, _ in routes.get(use.route, [])))
-      verdict(HTTP_SERVER, use.name in methods)
+      out = [(HTTP_SERVER, use.name in methods)]
     elif use.kind == "request":
       where, fields = request_fields(use.route)
-      verdict(where, use.name in fields)
+      out = [(where, use.name in fields)]
     elif use.kind == "value":
       field, value = use.name.split("=", 1)
       where, fields = request_fields(use.route)
-      verdict(where, field in fields and value in literal_values(fields[field]))
+      out = [(where, field in fields and value in literal_values(fields[field]))]
     elif use.kind == "sampling":
-      verdict(f"{SAMPLING}:SamplingParams", use.name in sampling_fields)
+      out = [(f"{SAMPLING}:SamplingParams", use.name in sampling_fields)]
     elif use.kind == "response" and use.route == "/generate":
-      verdict(f"{MANAGERS}*.py", use.name in generate_keys)
+      out = [(f"{MANAGERS}*.py", use.name in generate_keys)]
     elif use.kind == "response":
       keys = set().union(*map(handler_keys, handlers(use.route)))
-      verdict(f"{HTTP_SERVER}:{use.route}", use.name in keys)
+      out = [(f"{HTTP_SERVER}:{use.route}", use.name in keys)]
     elif use.kind == "meta_info":
-      verdict(f"{MANAGERS}*.py", use.name in meta_keys)
+      out = [(f"{MANAGERS}*.py", use.name in meta_keys)]
     elif use.kind == "finish_reason":
-      verdict(f"{SCHEDULE_BATCH}:to_json", use.name in finish_keys)
+      out = [(f"{SCHEDULE_BATCH}:to_json", use.name in finish_keys)]
     elif use.kind == "finish_type":
-      verdict(f"{SCHEDULE_BATCH}:to_json", use.name in finish_types)
+      out = [(f"{SCHEDULE_BATCH}:to_json", use.name in finish_types)]
     elif use.kind == "logprob_entry":
-      verdict(f"{MANAGERS}*.py:detokenize_logprob_tokens", use.name in layouts)
+      out = [(f"{MANAGERS}*.py:detokenize_logprob_tokens", use.name in layouts)]
     elif use.kind == "server_default":
-      verdict(f"{SERVER_ARGS[0]} or {SERVER_ARGS[1]}", use.name in defaults)
+      out = [(f"{SERVER_ARGS[0]} or {SERVER_ARGS[1]}", use.name in defaults)]
     else:
       raise ValueError(f"unknown kind {use.kind!r} in {use}: use one of the kinds in "
                        "experiments/sglang_api_check.py's docstring")
@@ -419,9 +415,16 @@ def check(sources: Mapping[str, str], uses: Iterable[Use] = USES) -> list[dict]:
         ok = int(pos) < len(fields) and fields[int(pos)] == name
       else:
         ok = use.name in fields
-      verdict(f"{CONTRACT}:{struct}", ok)
+      out.append((f"{CONTRACT}:{struct}", ok))
+    return out
+
+  records = []
+  for use in uses:
+    checked = verdicts(use)
+    missing = [where for where, ok in checked if not ok]
     records.append({"kind": use.kind, "route": use.route, "name": use.name,
-                    "ok": not missing, "found_in": found, "missing_in": missing})
+                    "ok": not missing, "found_in": [where for where, ok in checked if ok],
+                    "missing_in": missing})
   return records
 
 

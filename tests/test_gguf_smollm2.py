@@ -13,9 +13,9 @@ import torch
 import transformers
 
 from fr_jax.models import decoder, registry
+from fr_jax.models.gguf_io import load_gguf, permute_rope, unpermute_rope
 from fr_jax.rollout.embedded import EmbeddedEngine
 from fr_jax.rollout.engine import Request
-from fr_jax.models.gguf_io import load_gguf, permute_rope, unpermute_rope
 
 
 def test_unpermute_inverts_llama_cpp_permutation_by_hand():
@@ -203,7 +203,7 @@ def test_generate_cli_sampling_seed_and_chat():
 def test_generate_cli_errors_exit_2_with_one_line(args, needle):
   r = _gen(*args)
   assert r.returncode == 2
-  lines = [l for l in r.stderr.splitlines() if l.strip()]
+  lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
   assert len(lines) == 1 and needle in lines[0], r.stderr
 
 

@@ -164,7 +164,7 @@ def test_compile_count_over_50_ragged_steps_is_at_most_the_buckets():
   c = tiny_config(**{"packing.row_buckets": (2, 4, 6, 8), "optim.lr": 1e-4})
   learner = Learner(c)
   shapes = set()
-  for i, b in enumerate(batches(50, seed=3, median_completion=20.0, sigma=0.9)):
+  for b in batches(50, seed=3, median_completion=20.0, sigma=0.9):
     m = learner.update(b, log_ids=False)
     shapes.add(m["micro_batches"])
   assert learner.version == 50

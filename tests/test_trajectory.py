@@ -5,8 +5,16 @@ import math
 import numpy as np
 import pytest
 
-from fr_jax.trajectory import (LOGP_FLOOR, MAX_STRING_BYTES, REASONS, Trajectory,
-                               TrajectoryError, record_key, rejection_reason, validate)
+from fr_jax.trajectory import (
+  LOGP_FLOOR,
+  MAX_STRING_BYTES,
+  REASONS,
+  Trajectory,
+  TrajectoryError,
+  record_key,
+  rejection_reason,
+  validate,
+)
 
 
 def good(**over):

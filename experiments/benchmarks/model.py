@@ -15,15 +15,16 @@ the peer is transformers' PyTorch
 LlamaForCausalLM in f32 (eager attention, torch's default threads).
 
 Prints JSON lines: `machine`, `gguf_load`, `matmul_peak` (jitted square matmul, f32 and bf16
-inputs with f32 accumulation: this machine's measured peak), one `fwd_bwd` line per implementation (median of
---repeats timed steps after warm-up; tokens/s; model FLOPs utilisation against the measured
-peak for its dtype), and `summary` with the ratios. Model FLOPs are analytic
-(ModelConfig.flops_per_token: 2 x matmul params incl. the LM head + causal attention, x3 for
-forward + backward); XLA's cost analysis counts a scanned layer body once, so it is not used.
+inputs with f32 accumulation: this machine's measured peak), one `fwd_bwd` line per
+implementation (median of --repeats timed steps after warm-up; tokens/s; model FLOPs utilisation
+against the measured peak for its dtype), and `summary` with the ratios. Model FLOPs are
+analytic (ModelConfig.flops_per_token: 2 x matmul params incl. the LM head + causal attention,
+x3 for forward + backward); XLA's cost analysis counts a scanned layer body once, so it is not
+used.
 """
 
-from absl import app, flags, logging
 import numpy as np
+from absl import app, flags, logging
 
 from experiments.benchmarks.common import emitter, machine, timed
 
@@ -47,7 +48,8 @@ def matmul_peak(n, repeats):
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dt)
     b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(dt)
     f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
-    med, _ = timed(lambda: f(a, b).block_until_ready(), max(repeats, 5), warmup=2)
+    med, _ = timed(lambda f=f, a=a, b=b: f(a, b).block_until_ready(), max(repeats, 5),
+                   warmup=2)
     out[name] = 2 * n**3 / med
   return out
 
@@ -76,6 +78,7 @@ def main(argv):
     raise app.UsageError(f"--cases: unknown {sorted(unknown)}; choose from gguf_load, fwd_bwd")
   import jax
   import jax.numpy as jnp
+
   from fr_jax.models import decoder, registry
 
   B, T = F.batch, F.seq
@@ -103,14 +106,14 @@ def main(argv):
   for compute, remat in (("float32", False), ("float32", True), ("bfloat16", True)):
     c = cfg.replace(compute_dtype=compute)
 
-    def loss_fn(params):
+    def loss_fn(params, c=c, remat=remat):
       lp, _ = decoder.score_packed(params, c, tokens, targets, positions, None, 1.0,
                                    remat=remat)
       return -lp.mean()
 
     step = jax.jit(jax.value_and_grad(loss_fn))
     loss_val = float(step(m.params)[0])
-    med, ts = timed(lambda: jax.block_until_ready(step(m.params)), F.repeats)
+    med, ts = timed(lambda step=step: jax.block_until_ready(step(m.params)), F.repeats)
     pk = peak["float32"] if compute == "float32" else peak["bfloat16"]
     results[f"jax_{compute}_remat{int(remat)}"] = med
     emit("fwd_bwd", impl="fr_jax", compute=compute, remat=remat, tokens=n_tok, loss=loss_val,

@@ -8,8 +8,8 @@ STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 TEST_JOBS ?= 2   # pytest-xdist processes (test files are kept whole per process)
 
-.PHONY: demo demo-agent test test-all bench bench-peers smoke chaos sandbox-check replication proto venv clean-venv help \
-        device-check device-wheels device-fixtures tpu-tools
+.PHONY: demo demo-agent test test-all lint bench bench-peers smoke chaos sandbox-check replication proto venv clean-venv help \
+        device-check device-wheels device-fixtures tpu-tools check-sglang-api
 
 DEMO_DIR ?= runs/demo
 AGENT_DIR ?= runs/agent
@@ -19,7 +19,8 @@ help:
 	@echo "make demo      install .venv if needed, train SmolLM2-135M on arithmetic (~20 min, CPU)"
 	@echo "make demo-agent  SmolLM2 learns when to call the Python tool: SFT warm start, then"
 	@echo "               FlashREINFORCE, evaluated per difficulty (~40 min, CPU)"
-	@echo "make test      install .venv if needed, run the fast test suite (not marked slow)"
+	@echo "make test      install .venv if needed, lint, then run the fast test suite (not marked slow)"
+	@echo "make lint      ruff (pyproject.toml's rules) over the whole tree"
 	@echo "make test-all  run every test, slow ones included"
 	@echo "make bench     run the benchmarks in experiments/benchmarks/ (JSON lines)"
 	@echo "make bench-peers  build llama-cpp-python into .venv (~4 min) for the rollout benchmark"
@@ -28,6 +29,8 @@ help:
 	@echo "make sandbox-check  the tool sandbox's 25 escape attempts on this machine, as this user"
 	@echo "make replication  the paper's seven ablation comparisons, 5 seeds each (tiny model, CPU)"
 	@echo "make proto     regenerate the message classes from fr_jax/transport/fr_jax.proto"
+	@echo "make check-sglang-api  download the pinned SGLang release (no deps) and check that every"
+	@echo "               route and field the client uses exists in its source (not in make test)"
 	@echo "make device-check  on a GPU machine: peers, attention, learner and engine (JSON lines)"
 	@echo "               DRY=1: the same at toy sizes on this CPU (part of make test)"
 	@echo "make device-wheels device-fixtures  here, before: what device-check brings along"
@@ -51,10 +54,13 @@ demo: $(STAMP)
 demo-agent: $(STAMP)
 	$(VPY) -m launch.train --config=experiments/configs/cpu_agent.py --run_dir=$(AGENT_DIR)
 
-test: $(STAMP)
+test: $(STAMP) lint
 	$(VPY) -m pytest -q -m "not slow" -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
 
-test-all: $(STAMP)
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+test-all: $(STAMP) lint
 	$(VPY) -m pytest -q -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
 
 bench: $(STAMP)
@@ -82,6 +88,10 @@ smoke: $(STAMP)
 
 replication: $(STAMP)
 	$(VPY) -m experiments.replication.run --seeds=5 --out=$(REPLICATION_DIR)
+
+# Needs the package registry: pip downloads the SGLang wheel pinned in the script.
+check-sglang-api: $(STAMP)
+	$(VPY) -m experiments.sglang_api_check $(SGLANG_API_ARGS)
 
 proto: $(STAMP)
 	$(VPY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. \

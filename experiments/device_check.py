@@ -222,11 +222,14 @@ def section_attention(ctx):
   for impl in ["naive", *attention_paths(backend)]:
     if F.dry and impl != "flash":
       continue  # interpret mode's time means nothing
-    step = jax.jit(jax.grad(lambda q, k, v: jnp.sum(A.attend(q, k, v, vis, jnp.bfloat16, impl)),
-                            argnums=(0, 1, 2)))
+
+    def attn_loss(q, k, v, impl=impl):
+      return jnp.sum(A.attend(q, k, v, vis, jnp.bfloat16, impl))
+
+    step = jax.jit(jax.grad(attn_loss, argnums=(0, 1, 2)))
     try:
-      med, ts = timed(lambda: jax.block_until_ready(step(q, k, v)), F.timed_repeats)
-    except Exception as e:  # noqa: BLE001 (naive at 16k may not fit: say so, go on)
+      med, ts = timed(lambda step=step: jax.block_until_ready(step(q, k, v)), F.timed_repeats)
+    except Exception as e:  # naive at 16k may not fit: say so, go on
       emit("attention_speed", impl=impl, row_len=L, error=f"{type(e).__name__}: {e}"[:300])
       continue
     # causal attention fwd+bwd: 2 (QK, PV) x 2 flops x L^2/2 x H x hd, x 3.5 with the backward
@@ -273,7 +276,9 @@ def _update_case(ctx, label, model_name, trajs, row_len, buckets):
     row["peak_device_gib"] = round(stats.get("peak_bytes_in_use", 0) / 2**30, 2)
   emit("learner", **row)
   learner.close()
-  del learner, model
+  # Release the learner and the weights before clearing the caches (not `del`: the timed
+  # lambda above closes over `learner`).
+  learner = model = None
   jax.clear_caches()
   return bool(np.isfinite(ms[-1]["loss"]))
 
@@ -320,7 +325,8 @@ def section_engine(ctx):
             for i in range(B)]
     eng = EmbeddedEngine(m.config, m.params, num_slots=B, max_len=40 + N + 8)
     outs = []
-    med, ts = timed(lambda: outs.append(eng.generate(reqs)), F.timed_repeats)
+    med, ts = timed(lambda outs=outs, eng=eng, reqs=reqs: outs.append(eng.generate(reqs)),
+                    F.timed_repeats)
     made = sum(len(c.token_ids) for c in outs[-1])
     ok &= made == B * N
     emit("engine", model=name, dtype=dtype, batch=B, new_tokens=N, median_s=round(med, 3),
@@ -352,7 +358,7 @@ def main(argv):
     print(f"[device_check] {name} ...", file=sys.stderr, flush=True)
     try:
       results[name] = SECTIONS[name](ctx)
-    except Exception as e:  # noqa: BLE001 (one section's failure is reported, the rest run)
+    except Exception as e:  # one section's failure is reported, the rest run
       results[name] = False
       emit("error", section=name, error=f"{type(e).__name__}: {e}"[:500],
            traceback=traceback.format_exc()[-2000:])

@@ -21,10 +21,10 @@ micro-batch the learner can be handed).
 Prints one JSON line: per-device memory (arguments, outputs, temporaries, generated code,
 peak = arguments + outputs + temporaries - aliased), the chip's HBM, whether it fits, and the
 analytic FLOPs per micro-batch with the tokens/s those give at `--mfu`, and the FLOPs and
-seconds of the longest update the recipe can make (B trajectories of agent.max_total_tokens). A program over the
-chip's memory fails to compile with RESOURCE_EXHAUSTED, as it would on the chips; that is
-reported as `fits: false` with the sizes XLA named. Exit status 0 either way (1 on any other
-compile error).
+seconds of the longest update the recipe can make (B trajectories of agent.max_total_tokens).
+A program over the chip's memory fails to compile with RESOURCE_EXHAUSTED, as it would on the
+chips; that is reported as `fits: false` with the sizes XLA named. Exit status 0 either way (1
+on any other compile error).
 """
 
 from __future__ import annotations
@@ -167,7 +167,7 @@ def check(c, topology: str, rows_per_device: int = 0, mfu: float = 0.4) -> dict:
   t0 = time.perf_counter()
   try:
     exe, _ = compile_update_from_shapes(c, model, rows, devices=devices)
-  except Exception as e:  # noqa: BLE001 - XLA raises a bare runtime error
+  except Exception as e:  # XLA raises a bare runtime error
     msg = str(e)
     if "RESOURCE_EXHAUSTED" not in msg:
       raise

@@ -106,8 +106,8 @@ def model_of_run(config: dict, params):
     info = registry.describe(m["name"])
     cfg, tok, reader = info.config, info.tokenizer, info.gguf_reader
   except (registry.ModelNotFound, CheckpointError) as e:
-    raise common.UsageError(f"the run's model.name={m['name']!r}: {e} (a relative path is "
-                            "read from this directory; run from where the run was started)")
+    raise common.UsageError(f"the run's model.name={m['name']!r}: {e} (a relative path is read "
+                            "from this directory; run from where the run was started)") from None
   # As the learner builds it; the head is tied where the checkpoint has no lm_head.
   cfg = cfg.replace(param_dtype=m["param_dtype"], compute_dtype=m["compute_dtype"],
                     attention=m["attention"], tie_embeddings="lm_head" not in params)
@@ -170,7 +170,7 @@ def export(checkpoint: str, fmt: str, out: str, step=None, dtype: str = "f32") -
       path = gguf_io.save_gguf(path, params, cfg, kv, dtype=dtype, name=name)
       files = [str(path)]
   except hf_io.CheckpointError as e:
-    raise common.UsageError(str(e))
+    raise common.UsageError(str(e)) from None
   size = sum(Path(f).stat().st_size for f in files)
   log.info("done: %s (%.1f MB) in %.1fs", path, size / 1e6, time.perf_counter() - t1)
   return {"format": fmt, "dtype": dtype, "checkpoint": str(d), "step": step,

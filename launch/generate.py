@@ -43,7 +43,7 @@ def _parse_ids(text: str) -> list[int]:
   try:
     ids = [int(x) for x in text.split(",") if x.strip() != ""]
   except ValueError:
-    raise UsageError(f"--score_ids={text!r} is malformed: give comma-separated integers")
+    raise UsageError(f"--score_ids={text!r} is malformed: give comma-separated integers") from None
   if not ids:
     raise UsageError("--score_ids is empty: give at least one token id")
   return ids
@@ -73,7 +73,7 @@ def run() -> dict:
   try:
     m = registry.load(FLAGS.model, param_dtype=FLAGS.dtype, compute_dtype=FLAGS.dtype)
   except (registry.ModelNotFound, CheckpointError, FileNotFoundError) as e:
-    raise UsageError(str(e))
+    raise UsageError(str(e)) from None
   cfg, tok = m.config, m.tokenizer
 
   if ids is not None:
@@ -104,7 +104,7 @@ def run() -> dict:
                                     temperature=FLAGS.temperature, top_p=FLAGS.top_p,
                                     seed=FLAGS.seed, stop_token_ids=tuple(tok.stop_ids()))])
   except ValueError as e:
-    raise UsageError(str(e))
+    raise UsageError(str(e)) from None
   return {"model": FLAGS.model, "prompt_token_ids": prompt_ids, "token_ids": c.token_ids,
           "logprobs": c.logprobs, "text": tok.decode(c.token_ids, skip_special_tokens=True),
           "finish_reason": c.finish_reason}

@@ -46,8 +46,9 @@ def test_three_turn_tool_trajectory_by_hand(tok):
   env = envs.make("arithmetic", difficulty=2, word_fraction=0.0)
   task = next(t for t in (env.task("train", i) for i in range(50)) if t.meta["op"] == "*")
   a, b = task.meta["a"], task.meta["b"]
-  turn1 = ('<tool_call>\n{"name": "python", "arguments": {"code": "print(%d * %d)"}}\n'
-           '</tool_call>' % (a, b))
+  turn1 = ('<tool_call>\n{"name": "python", "arguments": {"code": "print('
+           f'{a} * {b}'
+           ')"}}\n</tool_call>')
   turn2 = '<tool_call>\n{"name": "python", "arguments": {"code": "print(1/0)"}}\n</tool_call>'
   turn3 = f"The answer is {a * b}."
   engine = ScriptedEngine(tok, [turn1, turn2, turn3])

@@ -82,8 +82,9 @@ class LevelEngine:
       if t.meta["level"] == "easy":
         reply = str(t.answer)
       elif "<tool_response>" not in text:
-        reply = ('<tool_call>\n{"name": "python", "arguments": {"code": "print(%d * %d)"}}\n'
-                 '</tool_call>' % (t.meta["a"], t.meta["b"]))
+        reply = ('<tool_call>\n{"name": "python", "arguments": {"code": "print('
+                 f'{t.meta["a"]} * {t.meta["b"]}'
+                 ')"}}\n</tool_call>')
       else:
         reply = str(t.answer if k % 4 == 1 else t.answer + 1)
       ids = self.tok.encode(reply) + [self.tok.token_id("<|im_end|>")]

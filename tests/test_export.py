@@ -142,7 +142,10 @@ def test_gguf_q8_0_is_within_half_a_quantum(tmp_path):
     if k not in mats:
       np.testing.assert_array_equal(have[k], x, err_msg=k)  # 1-D tensors stay f32
       continue
-    hf = lambda a: np.swapaxes(a, -1, -2) if "layers" in k else a  # noqa: E731  [out, in]
+
+    def hf(a, k=k):  # [out, in]
+      return np.swapaxes(a, -1, -2) if "layers" in k else a
+
     blocks = hf(x).reshape(-1, 32).astype(np.float64)
     d = np.abs(blocks).max(-1, keepdims=True) / 127
     bound = d / 2 + np.abs(d.astype(np.float16).astype(np.float64) - d) * 127 + 1e-7

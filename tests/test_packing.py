@@ -43,7 +43,9 @@ def learner_logp(rng, trajs, drift=0.1):
 
 def padded(trajs, lps):
   B, T = len(trajs), max(t.completion_tokens.shape[0] for t in trajs)
-  logp = np.zeros((B, T)); blogp = np.zeros((B, T)); mask = np.zeros((B, T), bool)
+  logp = np.zeros((B, T))
+  blogp = np.zeros((B, T))
+  mask = np.zeros((B, T), bool)
   for i, (t, lp) in enumerate(zip(trajs, lps)):
     C = t.completion_tokens.shape[0]
     logp[i, :C], blogp[i, :C], mask[i, :C] = lp, t.behavior_logp, t.action_mask
@@ -198,12 +200,13 @@ def test_packed_ppo_equals_padded():
   adv_S[batch.segment_valid] = adv[batch.traj_index[batch.segment_valid]]
   for reduction in ("sample_mean", "token_mean"):
     (l_pad, _), g_pad = jax.value_and_grad(
-        lambda lp: obj.ppo_clip_loss(lp, blogp_pad, adv, mask, reduction=reduction),
+        lambda lp, reduction=reduction: obj.ppo_clip_loss(lp, blogp_pad, adv, mask,
+                                                          reduction=reduction),
         has_aux=True)(jnp.asarray(logp_pad, jnp.float32))
     (l_pk, _), g_pk = jax.value_and_grad(
-        lambda lp: obj.ppo_clip_loss_packed(lp, batch.behavior_logp, batch.action_mask,
-                                            batch.segment_ids, adv_S, batch.segment_valid,
-                                            reduction=reduction),
+        lambda lp, reduction=reduction: obj.ppo_clip_loss_packed(
+            lp, batch.behavior_logp, batch.action_mask, batch.segment_ids, adv_S,
+            batch.segment_valid, reduction=reduction),
         has_aux=True)(jnp.asarray(to_packed(batch, trajs, lps, -3.0), jnp.float32))
     np.testing.assert_allclose(l_pk, l_pad, rtol=1e-5)
     np.testing.assert_allclose(from_packed(batch, trajs, np.asarray(g_pk), mask.shape[1]),

@@ -139,8 +139,9 @@ def test_tool_cost_reward_by_hand(smol_tok, turns, score, reward, calls):
   m = task.meta
   fill = dict(easy=str(easy.answer), easy_wrong=str(easy.answer + 1), hard=str(hard.answer),
               hard_wrong=str(hard.answer + 1),
-              call=('<tool_call>\n{"name": "python", "arguments": {"code": "print(%d * %d)"}}\n'
-                    '</tool_call>' % (m.get("a", 0), m.get("b", 0))))
+              call=('<tool_call>\n{"name": "python", "arguments": {"code": "print('
+                    f'{m.get("a", 0)} * {m.get("b", 0)}'
+                    ')"}}\n</tool_call>'))
   traj, ep = _rollout(smol_tok, env, task, [t.format(**fill) if "{" in t[:2] else t
                                             for t in turns])
   assert ep.score == score
@@ -235,8 +236,8 @@ def test_sft_resume_equals_an_uninterrupted_run(tmp_path):
   # The data file was written once and read back; the export loads as a model.
   assert (tmp_path / "cut" / "sft_data.jsonl").read_text() == \
       (tmp_path / "full" / "sft_data.jsonl").read_text()
-  steps = [json.loads(l)["step"] for l in open(tmp_path / "cut" / "metrics.jsonl")
-           if '"loss"' in l]
+  steps = [json.loads(line)["step"] for line in open(tmp_path / "cut" / "metrics.jsonl")
+           if '"loss"' in line]
   assert steps == [1, 2, 3, 4]
   loaded = registry.load(f"hf:{rest['export']}")
   np.testing.assert_allclose(_flat(loaded.params), _flat(rest["params"]), rtol=0, atol=0)

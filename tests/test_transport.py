@@ -239,8 +239,9 @@ def test_config_errors_are_named():
 def test_generated_stubs_match_the_proto(tmp_path):
   """The checked-in message classes are what `make proto` produces from the checked-in .proto,
   and rpc.METHODS declares exactly the .proto's service."""
-  out = subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I.", f"--python_out={tmp_path}",
-                        "fr_jax/transport/fr_jax.proto"], capture_output=True, text=True)
+  out = subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I.",
+                        f"--python_out={tmp_path}", "fr_jax/transport/fr_jax.proto"],
+                       capture_output=True, text=True)
   assert out.returncode == 0, out.stderr
   svc = pb.DESCRIPTOR.services_by_name["Learner"]
   assert svc.full_name == rpc.SERVICE

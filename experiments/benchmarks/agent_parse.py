@@ -56,7 +56,7 @@ def main(argv):
   for shape, make in SHAPES.items():
     for n in map(int, FLAGS.sizes):
       text = make(n)
-      sec = _median(lambda: parse_tool_call(text), FLAGS.repeats)
+      sec = _median(lambda text=text: parse_tool_call(text), FLAGS.repeats)
       emit("parse", parser="linear", shape=shape, chars=len(text),
            median_ms=round(1e3 * sec, 3))
     for n in map(int, FLAGS.old_sizes):
@@ -64,8 +64,9 @@ def main(argv):
       t0 = time.perf_counter()
       OLD_CALL.search(text)
       once = time.perf_counter() - t0
-      sec = once if once > 0.5 else _median(lambda: OLD_CALL.search(text), FLAGS.repeats)
-      new = _median(lambda: parse_tool_call(text), FLAGS.repeats)
+      sec = once if once > 0.5 else _median(lambda text=text: OLD_CALL.search(text),
+                                            FLAGS.repeats)
+      new = _median(lambda text=text: parse_tool_call(text), FLAGS.repeats)
       emit("parse", parser="old_regex", shape=shape, chars=len(text),
            median_ms=round(1e3 * sec, 3), linear_ms=round(1e3 * new, 3),
            ratio_to_linear=round(sec / max(new, 1e-9), 1))

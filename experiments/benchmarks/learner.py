@@ -236,7 +236,11 @@ def main(argv):
         c.model.attention = F.attention
       learner = Learner(c, model=model)
       ms = []
-      med, ts = timed(lambda: ms.append(learner.update(trajs, log_ids=False)), F.repeats)
+
+      def update(ms=ms, learner=learner, trajs=trajs):
+        ms.append(learner.update(trajs, log_ids=False))
+
+      med, ts = timed(update, F.repeats)
       m = ms[-1]
       times[dtype] = med
       emit("update", case=case, impl="fr_jax", compute=dtype, trajectories=len(trajs),

@@ -143,7 +143,7 @@ def bench_loss_grad(rng):
 
   jx = run_jax()
   th = run_torch()
-  loss_diff = abs(sum(float(l) for l, _ in jx) - sum(float(l) for l, _ in th))
+  loss_diff = abs(sum(float(loss) for loss, _ in jx) - sum(float(loss) for loss, _ in th))
   grad_diff = max(float(np.abs(np.asarray(g) - gt.numpy()).max()) for (_, g), (_, gt)
                   in zip(jx, th))
   t_jax, all_jax = timeit(run_jax)

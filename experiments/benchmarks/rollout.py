@@ -102,7 +102,8 @@ def case_generate(m, summary):
     eng = EmbeddedEngine(m.config, m.params, num_slots=B, max_len=max_len, prefix_reuse=False)
     eng.generate(reqs)  # warm-up: compiles prefill buckets and the decode step
     outs = []
-    med, ts = timed(lambda: outs.append(eng.generate(reqs)), F.repeats, warmup=0)
+    med, ts = timed(lambda outs=outs, eng=eng, reqs=reqs: outs.append(eng.generate(reqs)),
+                    F.repeats, warmup=0)
     n_gen = sum(len(c.token_ids) for c in outs[-1])
     ttft = statistics.median(c.ttft_s for c in outs[-1])
     emit("generate", impl="fr_jax", batch=B, new_tokens=N, median_s=round(med, 3),
@@ -124,7 +125,7 @@ def case_generate(m, summary):
         ids[i, L - len(p):] = torch.as_tensor(p)
         attn[i, L - len(p):] = 1
 
-      def run(n):
+      def run(n, peer=peer, ids=ids, attn=attn):
         with torch.no_grad():
           return peer.generate(ids, attention_mask=attn, do_sample=True, temperature=1.0,
                                top_p=1.0, top_k=0, max_new_tokens=n, min_new_tokens=n,
@@ -157,7 +158,7 @@ def llama_cpp_generate(prompt, N):
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=len(prompt) + N + 8,
                           n_batch=512, n_threads=threads, verbose=False)
 
-    def run():
+    def run(llm=llm):
       n = 0
       for _ in llm.generate(prompt, temp=1.0, top_k=0, top_p=1.0, min_p=0.0, reset=True):
         n += 1

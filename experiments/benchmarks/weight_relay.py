@@ -19,11 +19,11 @@ cores, so the two relays fetch and write at the same time on the same CPUs.
 The 1.5B case runs in bfloat16: in float32 two servers and two relays' buffers at once (4 x
 7.1 GB) do not fit in 24 GB. The learner's copy is memory-mapped from files (page cache), and
 the servers load tensor by tensor into their freed weights: at the 1.5B shapes in bfloat16
-MemAvailable fell by 12.1 GB at most (17.7 to 5.6 GB) in the kept run. A case is skipped (a `skipped` line) when less memory is
-available than it needs; the benchmark's processes volunteer to the OOM killer first
-(oom_score_adj 1000), as the machine is shared, and run with MALLOC_ARENA_MAX=2 (set by
-re-executing itself). Prints JSON lines: the machine, the settings, one row per (version,
-server), a summary per case with memory peaks.
+MemAvailable fell by 12.1 GB at most (17.7 to 5.6 GB) in the kept run. A case is skipped (a
+`skipped` line) when less memory is available than it needs; the benchmark's processes
+volunteer to the OOM killer first (oom_score_adj 1000), as the machine is shared, and run with
+MALLOC_ARENA_MAX=2 (set by re-executing itself). Prints JSON lines: the machine, the settings,
+one row per (version, server), a summary per case with memory peaks.
 
 Time: about 2 minutes for SmolLM2-135M and 7 for the 1.5B shapes on 2 cores.
 """

@@ -318,7 +318,7 @@ def main(argv):
     pending_recovery = (t_kill, False)
     faults[f"learner_kill_{mode}"] += 1
 
-  for k, (at, kind) in enumerate(events):
+  for at, kind in events:
     while time.monotonic() < t0 + at:
       check_recovery()
       for i, w in cluster.workers.items():

@@ -4,8 +4,8 @@
   python -m launch.train --config=experiments/configs/cpu_agent.py --run_dir=runs/agent
 
 The task (`tool_arithmetic`) mixes easy items (1-digit + 1-digit, sums below 10) with hard
-ones (3-digit x 2-digit); the reward is 1 for the right number minus 0.2 per tool call. The run has three
-stages, each evaluated greedily on the same held-out items, per difficulty:
+ones (3-digit x 2-digit); the reward is 1 for the right number minus 0.2 per tool call. The run
+has three stages, each evaluated greedily on the same held-out items, per difficulty:
   1. the base model (it never calls the tool: the 135M model cannot use it from a prompt);
   2. a supervised warm start (`launch.sft`) on generated demonstrations that call the tool on
      half of the items whatever their difficulty, so that it knows the call format but not

@@ -2,7 +2,8 @@
 (delta=5e-3).
 
   FR_JAX_CKPT=/ckpt/DeepSeek-R1-Distill-Qwen-1.5B \\
-    python -m launch.learner --config=experiments/configs/r1_distill_1p5b_longcot.py --run_dir=runs/r1
+    python -m launch.learner --config=experiments/configs/r1_distill_1p5b_longcot.py \\
+      --run_dir=runs/r1
 
 Hardware: 8 GPUs for the learner plus an SGLang fleet. Expected time: the paper's 6000 async
 updates are multi-day at 16k-token responses (not measured here). Needs an HF checkpoint.

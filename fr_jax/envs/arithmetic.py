@@ -141,9 +141,10 @@ LEVELS = ("easy", "hard")
 class ToolArithmetic:
   """When is the tool worth its price? Easy items (1-digit + 1-digit with a 1-digit sum: a
   model answers them directly) and hard items (3-digit x 2-digit: about 0% without the
-  tool), with the Python tool offered at `tool_cost` reward per call. The reward is 1 for a correct final answer
-  minus `tool_cost` per call (the agent loop charges it, `Env.tool_cost`), so the best
-  policy calls the tool on hard items and answers easy ones directly.
+  tool), with the Python tool offered at `tool_cost` reward per call. The reward is 1 for a
+  correct final answer minus `tool_cost` per call (the agent loop charges it,
+  `Env.tool_cost`), so the best policy calls the tool on hard items and answers easy ones
+  directly.
 
   Each item is phrased one of six ways (two are word problems with a name), so the held-out
   split is disjoint in wording from training; easy items cover only the 36 sums of two
@@ -318,7 +319,7 @@ class Countdown:
     return procedural_task(self._draw, self.seed, split, index, self._test, self.test_size)
 
   def reward(self, task: Task, final_text: str) -> float:
-    lines = [l for l in final_text.strip().splitlines() if l.strip()]
+    lines = [line for line in final_text.strip().splitlines() if line.strip()]
     if not lines:
       return 0.0
     expr = lines[-1].split("=")[0]

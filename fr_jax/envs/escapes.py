@@ -231,7 +231,8 @@ ATTEMPTS = [
             "import os\nprint('OUT', 'FOUND' if os.environ.get('FR_JAX_TOKEN') else 'not set',"
             " sorted(os.environ))", _no_token),
     Attempt("dev_shm_flood", "issue 14 #2", "write 48 MiB into /dev/shm (4 MiB files)",
-            "import os\nn = 0\ntry:\n  for k in range(12):\n    with open(f'/dev/shm/flood{k}', 'wb') as f:\n"
+            "import os\nn = 0\ntry:\n"
+            "  for k in range(12):\n    with open(f'/dev/shm/flood{k}', 'wb') as f:\n"
             "      for _ in range(4):\n        f.write(b'x' * 2**20); f.flush(); n += 1\n"
             "  print('wrote 48 MiB')\n"
             "except OSError as e:\n  print('OUT', f'stopped at {n} MiB:', os.strerror(e.errno))",

@@ -181,7 +181,7 @@ class Household:
 def _normalise(text: str) -> str:
   """The command in a model turn: its last non-empty line, lower-cased, without
   punctuation around it or a leading '>'/'Action:'."""
-  lines = [l.strip() for l in text.strip().splitlines() if l.strip()]
+  lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
   cmd = lines[-1] if lines else ""
   cmd = re.sub(r"^(>|action:|command:)\s*", "", cmd.lower()).strip(" .!`'\"")
   return re.sub(r"\s+", " ", cmd.replace("in/on", "in"))

@@ -50,8 +50,8 @@ class ModelConfig:
   eos_token_id: int | None = None
   param_dtype: str = "float32"  # storage dtype of parameters
   compute_dtype: str = "float32"  # matmul inputs; accumulation and norms stay f32
-  # auto | naive | flash | pallas_gpu | splash_tpu (fr_jax.models.attention): how attention is computed,
-  # not what.
+  # auto | naive | flash | pallas_gpu | splash_tpu (fr_jax.models.attention): how attention is
+  # computed, not what.
   attention: str = "auto"
 
   def __post_init__(self):

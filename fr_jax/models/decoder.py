@@ -115,8 +115,8 @@ def decode_layout(params: Params) -> Params:
   """
   n = jax.tree.leaves(params["layers"])[0].shape[0]
   out = {k: v for k, v in params.items() if k != "layers"}
-  out["layer_list"] = tuple(_fuse_projections(jax.tree.map(lambda a: a[i], params["layers"]))
-                            for i in range(n))
+  out["layer_list"] = tuple(
+      _fuse_projections(jax.tree.map(lambda a, i=i: a[i], params["layers"])) for i in range(n))
   return out
 
 

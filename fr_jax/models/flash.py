@@ -100,21 +100,21 @@ def _flash_fwd(q, k, v, q_idx, q_seg, kv_seg, cd, bq, bk):
     acc0 = jnp.zeros((B, kvh, G, bq, hd), F32)
 
     def k_block(j, c):
-      m, l, acc = c
+      m, denom, acc = c
       s, vis = _scores(qb, kB[j], qi, qs, ksB[j], j * bk, cd, scale)
       m_new = jnp.maximum(m, s.max(-1))
       p = jnp.where(vis[:, None, None], jnp.exp(s - m_new[..., None]), 0.0)
       corr = jnp.exp(m - m_new)
-      l = l * corr + p.sum(-1)
+      denom = denom * corr + p.sum(-1)
       acc = acc * corr[..., None] + jnp.einsum("bkgqs,bskd->bkgqd", p.astype(cd),
                                                vB[j].astype(cd), preferred_element_type=F32)
-      return m_new, l, acc
+      return m_new, denom, acc
 
-    m, l, acc = jax.lax.fori_loop(0, _n_key_blocks(qi, bk, nk), k_block,
-                                  (m0, jnp.zeros_like(m0), acc0))
-    seen = l > 0  # a query that sees no key (only padding does) gets 0, not NaN
-    o = acc / jnp.where(seen, l, 1.0)[..., None]
-    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), 0.0)
+    m, denom, acc = jax.lax.fori_loop(0, _n_key_blocks(qi, bk, nk), k_block,
+                                      (m0, jnp.zeros_like(m0), acc0))
+    seen = denom > 0  # a query that sees no key (only padding does) gets 0, not NaN
+    o = acc / jnp.where(seen, denom, 1.0)[..., None]
+    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, denom, 1.0)), 0.0)
     return None, (jnp.moveaxis(o, 3, 1), jnp.moveaxis(lse, 3, 1))  # [B, bq, KVH, G, ...]
 
   _, (o, lse) = jax.lax.scan(q_block, None, (_blocks(q, bq), _blocks(q_idx, bq),

@@ -380,7 +380,7 @@ def save_gguf(path, params, cfg: ModelConfig, tokenizer_kv: dict[str, GGUFValue]
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     n = len(w.tensors[0])
-    for k, (g, a) in enumerate(gguf_tensors(), 1):
+    for k, (_name, a) in enumerate(gguf_tensors(), 1):
       w.write_tensor_data(_encode(a, _tensor_type(a.shape, dtype)))
       if k % 50 == 0 or k == n:
         log.info("GGUF %s: %d/%d tensors written", dtype, k, n)

@@ -205,5 +205,6 @@ def load(name: str = DEFAULT_MODEL, *, param_dtype: str = "float32",
   return LoadedModel(name, cfg, params, tokenizer, source, time.perf_counter() - t0)
 
 
-__all__ = ["load", "describe", "names", "LoadedModel", "ModelInfo", "ModelNotFound", "CheckpointError", "TINY_CONFIGS",
-           "SHAPES", "shape_config", "DEFAULT_MODEL", "smollm2_gguf_path"]
+__all__ = ["load", "describe", "names", "LoadedModel", "ModelInfo", "ModelNotFound",
+           "CheckpointError", "TINY_CONFIGS", "SHAPES", "shape_config", "DEFAULT_MODEL",
+           "smollm2_gguf_path"]

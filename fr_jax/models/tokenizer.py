@@ -22,8 +22,8 @@ _SPECIAL_TYPES = (3, 4)
 # Pre-tokenizer split patterns, by GGUF `tokenizer.ggml.pre`.
 _QWEN2_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"
               r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_LLAMA3_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
-               r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 def _pre_tokenizer(pre: str):
@@ -101,7 +101,7 @@ class Tokenizer:
   @classmethod
   def from_gguf(cls, reader) -> Tokenizer:
     """Builds a byte-level BPE tokenizer from a GGUF reader's vocabulary and merges."""
-    f = lambda k, d=None: (reader.fields[k].contents() if k in reader.fields else d)  # noqa
+    f = lambda k, d=None: (reader.fields[k].contents() if k in reader.fields else d)  # noqa: E731
     model = f("tokenizer.ggml.model")
     if model != "gpt2":
       raise CheckpointError(f"GGUF tokenizer model {model!r} is not supported (only gpt2 BPE)")

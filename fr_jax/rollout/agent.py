@@ -119,7 +119,8 @@ class Episode:
 class AgentLoop:
   """Runs episodes of one environment on one engine, batching model turns across episodes."""
 
-  def __init__(self, engine: Engine, tokenizer, env: Env, cfg: AgentConfig = AgentConfig()):
+  def __init__(self, engine: Engine, tokenizer, env: Env, cfg: AgentConfig | None = None):
+    cfg = AgentConfig() if cfg is None else cfg
     self.engine, self.tok, self.env, self.cfg = engine, tokenizer, env, cfg
     self.stop_ids = tuple(tokenizer.stop_ids())
     # "namespaces" or "limits-only" (config-allowed); SandboxUnavailable otherwise.

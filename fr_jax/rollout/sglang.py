@@ -159,8 +159,9 @@ class SGLangEngine:
                         f"{body[:500].decode(errors='replace')}", Reason.HTTP_STATUS)
     try:
       return json.loads(body) if body else {}
-    except ValueError:
-      raise SGLangError(f"{path}: the answer is not JSON: {body[:200]!r}", Reason.BAD_ANSWER)
+    except ValueError as e:
+      raise SGLangError(f"{path}: the answer is not JSON: {body[:200]!r}",
+                        Reason.BAD_ANSWER) from e
 
   def health(self) -> bool:
     try:
@@ -195,7 +196,7 @@ class SGLangEngine:
       reason = fr.get("type", "stop") if isinstance(fr, dict) else str(fr)
     except (KeyError, TypeError, IndexError, ValueError) as e:
       raise SGLangError(f"/generate: unexpected answer shape ({e}): {str(answer)[:300]}",
-                        Reason.BAD_ANSWER)
+                        Reason.BAD_ANSWER) from None
     if reason not in ("stop", "length", "abort"):
       raise SGLangError(f"/generate: unknown finish_reason {fr!r}", Reason.BAD_ANSWER)
     wv = meta.get("weight_version")
@@ -205,7 +206,8 @@ class SGLangEngine:
       return ids, lps, reason, int(wv)
     except (TypeError, ValueError):
       raise SGLangError(f"/generate: weight_version {wv!r} is not an integer (this client "
-                        "loads weights with weight_version=str(version))", Reason.BAD_ANSWER)
+                        "loads weights with weight_version=str(version))",
+                        Reason.BAD_ANSWER) from None
 
   def _one(self, r: Request, should_abort) -> Completion:
     r.check()

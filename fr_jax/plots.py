@@ -17,9 +17,9 @@ import matplotlib
 import numpy as np
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from fr_jax.learner.metrics import read_jsonl  # noqa: E402
+from fr_jax.learner.metrics import read_jsonl
 
 
 def moving_average(x, window: int) -> np.ndarray:

@@ -121,7 +121,7 @@ def start_worker_threads(c, service, model, n: int, stop: threading.Event,
                          num_shards=n, params=params, version=v)
         w.run(stop)
         return
-      except Exception as e:  # noqa: BLE001 - a worker's failure never kills the learner
+      except Exception as e:  # a worker's failure never kills the learner
         errors.append((i, repr(e)))
         log.exception("worker-%d failed (%s)", i, e)
         restarts += 1

@@ -101,7 +101,7 @@ def parse_flags(argv):
     return flags.FLAGS(argv)
   except flags.Error as e:
     fail(str(e))
-  except Exception as e:  # noqa: BLE001 - raised while parsing a --config override
+  except Exception as e:  # raised while parsing a --config override
     fail(f"bad --config override: {type(e).__name__}: {e}")
 
 

@@ -108,7 +108,7 @@ def main(argv):
   def loop():
     try:
       out["stopped"] = r.run(stop, max_versions=1 if FLAGS.once else FLAGS.max_versions)
-    except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
+    except BaseException as e:  # re-raised on the main thread
       out["error"] = e
     finally:
       stop.set()

@@ -6,8 +6,8 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402  (must come after XLA_FLAGS)
-import pytest  # noqa: E402
+import jax  # must come after XLA_FLAGS
+import pytest
 
 
 def pytest_sessionstart(session):

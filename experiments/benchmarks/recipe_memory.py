@@ -22,9 +22,9 @@ if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in os
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + " --xla_force_host_platform_device_count=8").strip()
 
-from absl import app, flags  # noqa: E402
+from absl import app, flags
 
-from experiments.benchmarks.common import emitter, machine  # noqa: E402
+from experiments.benchmarks.common import emitter, machine
 
 flags.DEFINE_string("recipe", "experiments.configs.r1_distill_1p5b_longcot", "config module")
 flags.DEFINE_integer("rows", 0, "rows per micro-batch (0: the recipe's smallest bucket)")

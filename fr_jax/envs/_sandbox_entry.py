@@ -264,7 +264,7 @@ def _supervise(spec, code, root_worker):
   if pid == 0:
     try:
       _code_child(spec, work, root_worker)
-    except BaseException as e:  # noqa: BLE001 - reported as a sandbox error
+    except BaseException as e:  # reported as a sandbox error
       os.write(1, f"[sandbox setup failed: {type(e).__name__}: {e}]\n".encode())
     finally:
       os._exit(125)
@@ -306,7 +306,7 @@ def _namespaces(spec, code):
       try:
         _supervise(spec, code, root_worker)
         os._exit(0)
-      except BaseException as e:  # noqa: BLE001
+      except BaseException as e:
         os.write(1, f"[sandbox setup failed: {type(e).__name__}: {e}]\n".encode())
         os._exit(125)
     _, st = os.waitpid(p, 0)
@@ -348,7 +348,7 @@ def _limits_only(spec, code):
       _limits(spec)
       _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
       _exec_code(spec, work, ("/usr/bin/python3", "/usr/local/bin/python3"))
-    except BaseException as e:  # noqa: BLE001
+    except BaseException as e:
       os.write(1, f"[sandbox setup failed: {type(e).__name__}: {e}]\n".encode())
     finally:
       os._exit(125)

@@ -384,7 +384,7 @@ def owed_records(path, decode, producers: Producers, dead_ids: set):
   for raw in raws:
     try:
       traj = decode(raw)
-    except Exception:  # noqa: BLE001 - its CRC held, its contents do not
+    except Exception:  # its CRC held, its contents do not
       torn += 1
       continue
     key = record_key(traj.traj_id)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Iterator
 
-import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
+import ml_dtypes  # registers bfloat16 with numpy
 import numpy as np
 
 from fr_jax.trajectory import Trajectory, TrajectoryError

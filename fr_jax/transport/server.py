@@ -117,7 +117,7 @@ class _Servicer:
         traj = codec.trajectory_from_proto(msg)
       except TrajectoryError as e:
         traj = e
-      except Exception as e:  # noqa: BLE001 - anything malformed is a decode rejection
+      except Exception as e:  # anything malformed is a decode rejection
         traj = TrajectoryError("bad_field", f"undecodable record: {e}")
       ok, reason = False, "queue_full"
       raw = msg.SerializeToString() if s.log is not None else None

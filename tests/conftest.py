@@ -5,13 +5,6 @@ import os
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# One persistent XLA compilation cache for the run, inherited by every test process and the
-# launch subprocesses they start: a program that several files compile (the tiny models'
-# updates and decode steps) compiles once. It lives in .pytest_cache/ (ignored by git), capped
-# at 2 GiB; set JAX_COMPILATION_CACHE_DIR to move it.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache", "jax"))
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 * 2**30))
 
 import jax  # must come after XLA_FLAGS
 import pytest

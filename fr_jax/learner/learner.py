@@ -162,9 +162,12 @@ class Learner:
     self.step_config = step_config(c, self.model_config)
     self._jit_update = _jit_update(self.step_config, self.optimizer, self.lr_schedule,
                                    self._state_shardings, self.mesh)
+    # The per-trajectory values come back replicated, as the update's metrics do: every
+    # process of a multi-process learner reads them whole (a value sharded across processes
+    # cannot be fetched).
     self._jit_accumulate = jax.jit(
         lambda p, a, b, st: step.accumulate(p, a, b, st, sc=self.step_config),
-        donate_argnums=(1,))
+        donate_argnums=(1,), out_shardings=(None, meshlib.replicated(self.mesh)))
     self._compiled: dict = {}  # (kind, shape, has_acc) -> (executable, flops)
     self.checkpointer = (ckpt.Checkpointer(c.checkpoint.dir, every=c.checkpoint.every,
                                            keep=c.checkpoint.keep,

@@ -9,10 +9,11 @@ A batch whose loss or gradient norm is not finite applies nothing: the state is 
 `skipped` is incremented.
 
 Each micro-batch also returns per-trajectory values [S] (`SEGMENT_VALUES`: the gate's D_i
-and decision, the sums of |log pi - log mu| and of the Bernoulli KL over the action tokens):
-the learner splits them on the host by what only the host knows per record (policy lag, response
-length, advantage sign; `fr_jax.learner.diagnostics`). The ratio and KL are computed once,
-here, from the objective's own outputs.
+and decision from the objective, the sums of |log pi - log mu| and of the Bernoulli KL over
+the action tokens): the learner splits them on the host by what only the host knows per
+record (policy lag, response length, advantage sign; `fr_jax.learner.diagnostics`). The
+metrics' per-token ratio and KL are recomputed here from the same log-probs, for every loss
+(sft and grpo included); the objective's own copies are not passed out.
 """
 
 from __future__ import annotations

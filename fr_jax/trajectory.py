@@ -114,6 +114,11 @@ class Trajectory:
     v = self.policy_version[self.action_mask.astype(bool)]
     return int(v.min()) if v.size else int(self.policy_version.min(initial=0))
 
+  def policy_lag(self, version: int) -> int:
+    """Updates between the oldest policy that sampled an action token and `version` (the
+    learner's): the one definition of a record's lag."""
+    return version - self.min_policy_version
+
   @property
   def tokens(self) -> np.ndarray:
     """prompt + completion, int32 [P + C]."""

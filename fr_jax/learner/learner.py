@@ -366,7 +366,7 @@ class Learner:
     adv = self._grpo_advantages(trajs) if c.objective.loss == "grpo" else None
     B = c.batch_size
     if lags is None:
-      lags = [self.version - t.min_policy_version for t in trajs]
+      lags = [t.policy_lag(self.version) for t in trajs]
     lags, v0 = np.asarray(lags, np.int64), self.version
     m, skipped = {}, []
     for j in range(k):

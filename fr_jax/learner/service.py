@@ -140,7 +140,7 @@ class LearnerService:
     return False, reason
 
   def lag(self, traj: Trajectory) -> int:
-    return self.version - traj.min_policy_version
+    return traj.policy_lag(self.version)
 
   def offer(self, traj, *, timeout: float | None = None,
             raw: bytes | None = None) -> tuple[bool, str]:

@@ -1,4 +1,5 @@
-"""Decoder configuration for the Llama, Qwen2 and Qwen3-dense families, read from HF configs."""
+"""Decoder configuration for the Llama, Qwen2, Qwen3-dense and Qwen3-MoE families, read from HF
+configs."""
 
 from __future__ import annotations
 
@@ -8,9 +9,14 @@ from typing import Any
 
 import numpy as np
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("auto", "naive", "flash", "pallas_gpu", "splash_tpu")
+# How an MoE layer computes its experts (not what): "ragged" groups the tokens by expert and
+# runs `jax.lax.ragged_dot` (each token pays for its k experts only); "dense" runs every expert
+# on every token and weights the unselected ones by zero (E/k times the work: tests, tiny
+# models); "auto" is "ragged".
+MOE_IMPLS = ("auto", "ragged", "dense")
 
 
 class ConfigError(ValueError):
@@ -28,7 +34,7 @@ def check_attention(impl: str, field: str = "attention") -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  family: str  # llama | qwen2 | qwen3
+  family: str  # llama | qwen2 | qwen3 | qwen3_moe
   vocab_size: int
   hidden_size: int
   intermediate_size: int
@@ -53,6 +59,17 @@ class ModelConfig:
   # auto | naive | flash | pallas_gpu | splash_tpu (fr_jax.models.attention): how attention is
   # computed, not what.
   attention: str = "auto"
+  # Mixture of experts (qwen3_moe; 0 experts = a dense model). A layer i is sparse when
+  # i is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0 (HF's rule); its
+  # router picks num_experts_per_tok of num_experts SwiGLU experts of width
+  # moe_intermediate_size. Dense layers keep the intermediate_size MLP.
+  num_experts: int = 0
+  num_experts_per_tok: int = 0
+  moe_intermediate_size: int = 0
+  norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
+  decoder_sparse_step: int = 1
+  mlp_only_layers: tuple[int, ...] = ()
+  moe_impl: str = "auto"  # auto | ragged | dense (MOE_IMPLS): how, not what
 
   def __post_init__(self):
     if self.family not in FAMILIES:
@@ -66,6 +83,53 @@ class ModelConfig:
                         f"num_kv_heads={self.num_kv_heads} (grouped-query attention)")
     if self.head_dim % 2:
       raise ConfigError(f"head_dim={self.head_dim} must be even for RoPE")
+    object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+    if self.moe_impl not in MOE_IMPLS:
+      raise ConfigError(f"moe_impl={self.moe_impl!r}: choose one of {MOE_IMPLS}")
+    if (self.family == "qwen3_moe") != (self.num_experts > 0):
+      raise ConfigError(f"family={self.family!r} with num_experts={self.num_experts}: "
+                        "experts belong to qwen3_moe, and qwen3_moe needs num_experts > 0")
+    if self.num_experts:
+      if not 0 < self.num_experts_per_tok <= self.num_experts:
+        raise ConfigError(f"num_experts_per_tok={self.num_experts_per_tok} must be in "
+                          f"[1, num_experts={self.num_experts}]")
+      if self.num_experts > 32767:
+        raise ConfigError(f"num_experts={self.num_experts}: expert ids are recorded as int16")
+      if self.moe_intermediate_size < 1 or self.decoder_sparse_step < 1:
+        raise ConfigError("moe_intermediate_size and decoder_sparse_step must be >= 1")
+      bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
+      if bad:
+        raise ConfigError(f"mlp_only_layers={list(self.mlp_only_layers)}: {bad} are not "
+                          f"layers of a {self.num_layers}-layer model")
+
+  # --- mixture of experts ---
+  @property
+  def is_moe(self) -> bool:
+    return self.num_experts > 0
+
+  @property
+  def moe_layers(self) -> tuple[int, ...]:
+    """Indices of the sparse (MoE) layers, in order; () for a dense model."""
+    if not self.num_experts:
+      return ()
+    return tuple(i for i in range(self.num_layers) if i not in self.mlp_only_layers
+                 and (i + 1) % self.decoder_sparse_step == 0)
+
+  @property
+  def dense_layers(self) -> tuple[int, ...]:
+    """Indices of the layers with a dense MLP."""
+    moe = set(self.moe_layers)
+    return tuple(i for i in range(self.num_layers) if i not in moe)
+
+  @property
+  def routing_shape(self) -> tuple[int, int]:
+    """(sparse layers, k): the trailing shape of a token's recorded expert ids."""
+    return (len(self.moe_layers), self.num_experts_per_tok)
+
+  @property
+  def routing_dtype(self) -> np.dtype:
+    """The smallest signed integer type that holds an expert id (int8 up to 128 experts)."""
+    return np.dtype(np.int8 if self.num_experts <= 128 else np.int16)
 
   def replace(self, **kw) -> ModelConfig:
     return dataclasses.replace(self, **kw)
@@ -77,18 +141,32 @@ class ModelConfig:
     attn = D * q + 2 * D * kv + q * D
     attn += (q + 2 * kv) * self.qkv_bias + D * self.o_bias + 2 * self.head_dim * self.qk_norm
     mlp = 3 * D * F + (2 * F + D) * self.mlp_bias
-    per_layer = attn + mlp + 2 * D
-    return V * D * (1 if self.tie_embeddings else 2) + self.num_layers * per_layer + D
+    n_moe = len(self.moe_layers)
+    moe = self.num_experts * (D + 3 * D * self.moe_intermediate_size)
+    layers = self.num_layers * (attn + 2 * D) + (self.num_layers - n_moe) * mlp + n_moe * moe
+    return V * D * (1 if self.tie_embeddings else 2) + layers + D
+
+  @property
+  def num_active_params(self) -> int:
+    """Parameters one token uses: for an MoE model, its k experts (and the router) of each
+    sparse layer instead of all of them."""
+    unused = self.num_experts - self.num_experts_per_tok
+    return self.num_params - len(self.moe_layers) * unused * 3 * self.hidden_size \
+        * self.moe_intermediate_size
 
   def flops_per_token(self, seq_len: int) -> float:
     """Forward FLOPs per token: 2 x matmul params (LM head included) + attention scores.
+    An MoE layer counts its router and the k experts a token uses (active parameters).
 
     Attention counts QK^T and AV for a causal context of average length seq_len/2.
     Forward + backward is 3x this.
     """
     D, F, V = self.hidden_size, self.intermediate_size, self.vocab_size
     q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-    matmul = self.num_layers * (D * q + 2 * D * kv + q * D + 3 * D * F) + D * V
+    n_moe = len(self.moe_layers)
+    moe = self.num_experts * D + self.num_experts_per_tok * 3 * D * self.moe_intermediate_size
+    matmul = (self.num_layers * (D * q + 2 * D * kv + q * D) + (self.num_layers - n_moe) * 3 * D * F
+              + n_moe * moe + D * V)
     attn = self.num_layers * 2 * q * (seq_len / 2)
     return 2.0 * matmul + 2.0 * attn
 
@@ -137,7 +215,7 @@ def _first_id(x):
 
 
 def from_hf_config(cfg: dict[str, Any], **overrides) -> ModelConfig:
-  """A ModelConfig from a Hugging Face `config.json` dict (llama, qwen2 or qwen3)."""
+  """A ModelConfig from a Hugging Face `config.json` dict (llama, qwen2, qwen3, qwen3_moe)."""
   family = cfg.get("model_type")
   if family not in FAMILIES:
     raise ConfigError(f"model_type={family!r} in config.json: fr_jax supports {FAMILIES}")
@@ -165,11 +243,20 @@ def from_hf_config(cfg: dict[str, Any], **overrides) -> ModelConfig:
       qkv_bias=True if family == "qwen2" else attn_bias,
       o_bias=False if family == "qwen2" else attn_bias,
       mlp_bias=bool(cfg.get("mlp_bias", False)) if family == "llama" else False,
-      qk_norm=family == "qwen3",
+      qk_norm=family in ("qwen3", "qwen3_moe"),
       max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
       bos_token_id=_first_id(cfg.get("bos_token_id")),
       eos_token_id=_first_id(cfg.get("eos_token_id")),
   )
+  if family == "qwen3_moe":
+    if cfg.get("use_sliding_window"):
+      raise ConfigError("use_sliding_window=true is not supported; set it to false")
+    kw.update(num_experts=int(cfg["num_experts"]),
+              num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+              moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+              norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+              decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1)),
+              mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()))
   kw.update(overrides)
   return ModelConfig(**kw)
 
@@ -177,7 +264,7 @@ def from_hf_config(cfg: dict[str, Any], **overrides) -> ModelConfig:
 def to_hf_config(c: ModelConfig) -> dict[str, Any]:
   """The Hugging Face `config.json` dict for `c` (readable by transformers and SGLang)."""
   arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-          "qwen3": "Qwen3ForCausalLM"}[c.family]
+          "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[c.family]
   rope: dict[str, Any] = {"rope_type": "default"}
   if c.rope_llama3 is not None:
     f, lo, hi, old = c.rope_llama3
@@ -209,6 +296,15 @@ def to_hf_config(c: ModelConfig) -> dict[str, Any]:
     out.update(attention_bias=c.qkv_bias, mlp_bias=c.mlp_bias)
   elif c.family == "qwen3":
     out.update(attention_bias=c.qkv_bias)
+  elif c.family == "qwen3_moe":
+    # The router's load-balancing loss is the learner's (`learner.router_aux_loss_coef`);
+    # the exported config leaves it off, as it is at inference.
+    out.update(attention_bias=c.qkv_bias, num_experts=c.num_experts,
+               num_experts_per_tok=c.num_experts_per_tok,
+               moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=c.norm_topk_prob,
+               decoder_sparse_step=c.decoder_sparse_step, mlp_only_layers=list(c.mlp_only_layers),
+               output_router_logits=False, router_aux_loss_coef=0.0,
+               use_sliding_window=False, sliding_window=None)
   else:
     out.update(use_sliding_window=False, sliding_window=None)
   return out

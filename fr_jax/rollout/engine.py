@@ -6,13 +6,21 @@ top_p < 1 the renormalised nucleus; greedy reports log_softmax(logits)), the fin
 (stop, length or abort) and the policy version that produced each token. Backends: the
 embedded JAX engine (`fr_jax.rollout.embedded`) and an SGLang server or gateway
 (`fr_jax.rollout.sglang`).
+
+Routing replay (mixture-of-experts models). A request with `routed_experts_start = s` (not
+None) asks for the experts each fed position used: the completion's `routed_experts` is an
+integer array [n, sparse layers, k] for positions s .. prompt_len + len(token_ids) - 2 (every
+position the model read, from s on; the last sampled token is never fed). A position's row is
+the routing its own forward pass used, when it was first computed (a reused cache entry keeps
+the routing it was computed with). An engine that cannot report routing raises rather than
+return None.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 FINISH = ("stop", "length", "abort")
 
@@ -27,6 +35,8 @@ class Request:
   seed: int = 0  # per request: the same seed gives the same tokens in any batch
   stop_token_ids: tuple[int, ...] = ()
   stop_strings: tuple[str, ...] = ()
+  # Routing replay: report the experts of positions >= this one (None: do not report).
+  routed_experts_start: int | None = None
 
   def check(self, vocab_size: int | None = None):
     if not self.prompt_ids:
@@ -36,6 +46,10 @@ class Request:
     if self.temperature < 0 or not 0 < self.top_p <= 1:
       raise ValueError(f"request {self.request_id!r}: temperature={self.temperature} must be "
                        f">= 0 and top_p={self.top_p} in (0, 1]")
+    s = self.routed_experts_start
+    if s is not None and not 0 <= s <= len(self.prompt_ids):
+      raise ValueError(f"request {self.request_id!r}: routed_experts_start={s} outside "
+                       f"[0, {len(self.prompt_ids)}]")
     if vocab_size is not None and not all(0 <= t < vocab_size for t in self.prompt_ids):
       raise ValueError(f"request {self.request_id!r}: prompt ids outside [0, {vocab_size})")
 
@@ -49,6 +63,9 @@ class Completion:
   versions: list[int]  # policy version that sampled each token
   prompt_len: int = 0
   ttft_s: float = 0.0  # time to first token
+  # int [n, sparse layers, k]: experts of the positions routed_experts_start.. (Request);
+  # None unless the request asked.
+  routed_experts: Any = None
 
 
 class Engine(Protocol):

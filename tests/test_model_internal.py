@@ -216,7 +216,7 @@ def test_analytic_flops_match_xla_cost_analysis():
                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64)
   R, L = 2, 16
   # The decode layout's unrolled layer list: XLA counts a scanned layer only once.
-  params = decoder.decode_layout(decoder.init_params(cfg, jax.random.key(0)))
+  params = decoder.decode_layout(decoder.init_params(cfg, jax.random.key(0)), cfg)
   tokens = jnp.zeros((R, L), jnp.int32)
   pos = jnp.broadcast_to(jnp.arange(L), (R, L))
 

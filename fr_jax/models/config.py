@@ -251,7 +251,8 @@ def from_hf_config(cfg: dict[str, Any], **overrides) -> ModelConfig:
   if family == "qwen3_moe":
     if cfg.get("use_sliding_window"):
       raise ConfigError("use_sliding_window=true is not supported; set it to false")
-    kw.update(num_experts=int(cfg["num_experts"]),
+    # Released checkpoints say num_experts; transformers >= 5 writes num_local_experts.
+    kw.update(num_experts=int(cfg.get("num_experts") or cfg["num_local_experts"]),
               num_experts_per_tok=int(cfg["num_experts_per_tok"]),
               moe_intermediate_size=int(cfg["moe_intermediate_size"]),
               norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),

@@ -1,7 +1,10 @@
-"""One decoder for the Llama, Qwen2 and Qwen3-dense families.
+"""One decoder for the Llama, Qwen2, Qwen3-dense and Qwen3-MoE families.
 
 RMSNorm, RoPE (with optional Llama-3 scaling), grouped-query attention, SwiGLU MLP, tied or
-untied embeddings; Qwen2 adds q/k/v biases, Qwen3 adds per-head RMSNorm on q and k.
+untied embeddings; Qwen2 adds q/k/v biases, Qwen3 adds per-head RMSNorm on q and k. Qwen3-MoE
+replaces the MLP of its sparse layers (`ModelConfig.moe_layers`) by a mixture of experts: a
+router (softmax over E experts, top-k, optionally renormalised) and E SwiGLU experts, each
+token's output the router-weighted sum of its k experts' (see `moe_block`).
 
 The math is a set of pure functions over a nested dict of arrays (`params`), so hot paths
 jit them directly; `Decoder` is the Flax NNX module that owns those arrays (split/merge at
@@ -17,6 +20,15 @@ Forward modes (all the same `forward`):
   KV cache, attending to cache entries at positions <= the query's. Prefill is T = prompt
   length, decode is T = 1.
 
+Mixture of experts. The attention stack `params["layers"]` has every layer; an MoE model keeps
+its sparse layers' weights in `params["moe"]` (router [n, D, E], experts_gate/up [n, E, D, F],
+experts_down [n, E, F, D]) and the MLPs of its dense layers, if any, in `params["mlp"]`, each
+stacked over its own layers. Packed forwards can replay routing: `routes` [B, L, n, k] names the
+experts every position uses in every sparse layer (rollout routing replay), and the gate
+weights are the current router's probabilities of those experts (renormalised over them when
+`norm_topk_prob`), so the router keeps learning. `routing_out=True` also returns what the
+routing did (`Routing`).
+
 Dtype policy: parameters are stored in `param_dtype`; matmul inputs are cast to
 `compute_dtype` and accumulate in float32; the residual stream, norms, softmax and logits are
 float32.
@@ -24,7 +36,7 @@ float32.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,30 +52,55 @@ F32 = jnp.float32
 
 
 def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-  D, F = cfg.hidden_size, cfg.intermediate_size
+  """Weights every layer has (attention, norms; the MLP too in a dense model)."""
+  D = cfg.hidden_size
   q, kv, hd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
   shapes = {
       "attn_norm": (D,), "wq": (D, q), "wk": (D, kv), "wv": (D, kv), "wo": (q, D),
-      "mlp_norm": (D,), "w_gate": (D, F), "w_up": (D, F), "w_down": (F, D),
+      "mlp_norm": (D,),
   }
+  if not cfg.is_moe:
+    shapes.update(mlp_shapes(cfg))
   if cfg.qkv_bias:
     shapes.update(bq=(q,), bk=(kv,), bv=(kv,))
   if cfg.o_bias:
     shapes.update(bo=(D,))
   if cfg.qk_norm:
     shapes.update(q_norm=(hd,), k_norm=(hd,))
+  return shapes
+
+
+def mlp_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+  """A dense layer's SwiGLU MLP."""
+  D, F = cfg.hidden_size, cfg.intermediate_size
+  shapes = {"w_gate": (D, F), "w_up": (D, F), "w_down": (F, D)}
   if cfg.mlp_bias:
     shapes.update(b_gate=(F,), b_up=(F,), b_down=(D,))
   return shapes
 
 
+def moe_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+  """A sparse layer's router and stacked experts."""
+  D, E, F = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+  return {"router": (D, E), "experts_gate": (E, D, F), "experts_up": (E, D, F),
+          "experts_down": (E, F, D)}
+
+
 def param_shapes(cfg: ModelConfig) -> Params:
-  """The full params tree as shapes; `lm_head` only when embeddings are untied."""
+  """The full params tree as shapes; `lm_head` only when embeddings are untied; `moe` (and
+  `mlp` for its dense layers) only in an MoE model."""
   out = {"embed": (cfg.vocab_size, cfg.hidden_size), "final_norm": (cfg.hidden_size,),
          "layers": {k: (cfg.num_layers, *s) for k, s in layer_shapes(cfg).items()}}
+  if cfg.is_moe:
+    out["moe"] = {k: (len(cfg.moe_layers), *s) for k, s in moe_shapes(cfg).items()}
+    if cfg.dense_layers:
+      out["mlp"] = {k: (len(cfg.dense_layers), *s) for k, s in mlp_shapes(cfg).items()}
   if not cfg.tie_embeddings:
     out["lm_head"] = (cfg.vocab_size, cfg.hidden_size)
   return out
+
+
+STACKS = ("layers", "moe", "mlp")  # subtrees whose leaves carry a leading stacked-layer axis
 
 
 def _is_norm(name):
@@ -104,20 +141,36 @@ def dense(x, w, b=None, cd=F32):
   return y if b is None else y + b.astype(F32)
 
 
-def decode_layout(params: Params) -> Params:
+def decode_layout(params: Params, cfg: ModelConfig) -> Params:
   """The same weights with the layer stack split into a tuple of per-layer dicts, and each
   layer's q/k/v and gate/up projections fused into one matrix each (`wqkv`, `w_gate_up`).
+  An MoE model's sparse layers take their router and experts from `moe`, its dense ones
+  their MLP from `mlp`.
 
   `forward` then runs the layers as an unrolled loop over separate buffers. For decoding a
   few tokens this matters: a scan over stacked weights copies each layer's slice out of the
   stack on every step, doubling the weight traffic that bounds decode speed; and five
   matmuls per layer instead of seven cut the per-step op count.
   """
-  n = jax.tree.leaves(params["layers"])[0].shape[0]
-  out = {k: v for k, v in params.items() if k != "layers"}
-  out["layer_list"] = tuple(
-      _fuse_projections(jax.tree.map(lambda a, i=i: a[i], params["layers"])) for i in range(n))
+  out = {k: v for k, v in params.items() if k not in STACKS}
+  layers = []
+  for i, (stack, j) in enumerate(_feed_forward_source(cfg)):
+    lp = jax.tree.map(lambda a, i=i: a[i], params["layers"])
+    if stack != "layers":
+      lp.update(jax.tree.map(lambda a, j=j: a[j], params[stack]))
+    layers.append(_fuse_projections(lp))
+  out["layer_list"] = tuple(layers)
   return out
+
+
+def _feed_forward_source(cfg: ModelConfig) -> list[tuple[str, int]]:
+  """For each layer, where its feed-forward weights live: ("layers", i) in a dense model,
+  ("moe", j) for the j-th sparse layer, ("mlp", j) for the j-th dense layer of an MoE model."""
+  if not cfg.is_moe:
+    return [("layers", i) for i in range(cfg.num_layers)]
+  moe, mlp = cfg.moe_layers, cfg.dense_layers
+  return [("moe", moe.index(i)) if i in moe else ("mlp", mlp.index(i))
+          for i in range(cfg.num_layers)]
 
 
 def _fuse_projections(lp: dict) -> dict:
@@ -157,9 +210,10 @@ def _write_cache(cache, new, start, keys: bool):
   return at.set(new.astype(cache.dtype), mode="drop")
 
 
-def _layer(cfg: ModelConfig, h, lp, cos, sin, vis, cache_kv, cache_start, window=None):
-  """One decoder layer. Packed mode: `vis` is the rows' Visibility and cache_kv None. Cached
-  mode: `vis` is the queries' positions [B, T] and cache_kv this layer's (k, v) buffers."""
+def _attention(cfg: ModelConfig, h, lp, cos, sin, vis, cache_kv, cache_start, window):
+  """A layer's attention block with its residual. Packed mode: `vis` is the rows'
+  Visibility and cache_kv None. Cached mode: `vis` is the queries' positions [B, T] and
+  cache_kv this layer's (k, v) buffers."""
   cd = jnp.dtype(cfg.compute_dtype)
   B, L, _ = h.shape
   H, KVH, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -181,57 +235,226 @@ def _layer(cfg: ModelConfig, h, lp, cos, sin, vis, cache_kv, cache_start, window
   else:
     a = attend(q, k, v, vis, cd, cfg.attention)
   a = a.reshape(B, L, H * hd)
-  h = h + dense(a, lp["wo"], lp.get("bo"), cd)
-  x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
+  return h + dense(a, lp["wo"], lp.get("bo"), cd), cache_kv
+
+
+def _mlp(cfg: ModelConfig, x, lp):
+  cd = jnp.dtype(cfg.compute_dtype)
   if "w_gate_up" in lp:
     g, u = jnp.split(dense(x, lp["w_gate_up"], lp.get("b_gate_up"), cd), 2, -1)
   else:
     g = dense(x, lp["w_gate"], lp.get("b_gate"), cd)
     u = dense(x, lp["w_up"], lp.get("b_up"), cd)
-  h = h + dense(jax.nn.silu(g) * u, lp["w_down"], lp.get("b_down"), cd)
-  return h, cache_kv
+  return dense(jax.nn.silu(g) * u, lp["w_down"], lp.get("b_down"), cd)
+
+
+class LayerRouting(NamedTuple):
+  """What one sparse layer's router did, over a [B, L] block of positions."""
+
+  experts: jax.Array  # int32 [B, L, k]: the experts each position used
+  drift: jax.Array  # bool [B, L]: the router's own top-k is not the replayed set
+  counts: jax.Array  # f32 [E]: selections of each expert by valid positions
+  prob_sum: jax.Array  # f32 [E]: router probability of each expert summed over valid positions
+
+
+def _experts_dense(cfg: ModelConfig, x, mp, idx, w):
+  """Every expert on every position, unselected ones weighted by zero: the reference path."""
+  cd = jnp.dtype(cfg.compute_dtype)
+  xc = x.astype(cd)
+  g = jnp.einsum("bld,edf->blef", xc, mp["experts_gate"].astype(cd), preferred_element_type=F32)
+  u = jnp.einsum("bld,edf->blef", xc, mp["experts_up"].astype(cd), preferred_element_type=F32)
+  y = jnp.einsum("blef,efd->bled", (jax.nn.silu(g) * u).astype(cd),
+                 mp["experts_down"].astype(cd), preferred_element_type=F32)
+  combine = jnp.sum(jax.nn.one_hot(idx, cfg.num_experts, dtype=F32) * w[..., None], axis=-2)
+  return jnp.einsum("ble,bled->bld", combine, y)
+
+
+def _experts_ragged(cfg: ModelConfig, x, mp, idx, w):
+  """Each (position, chosen expert) pair once: the pairs are sorted by expert and every
+  expert multiplies its contiguous group (`jax.lax.ragged_dot`), then the outputs go back to
+  their positions and are summed with the gate weights."""
+  cd = jnp.dtype(cfg.compute_dtype)
+  B, L, D = x.shape
+  k = idx.shape[-1]
+  flat = idx.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  xs = x.reshape(-1, D)[order // k].astype(cd)
+  sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
+
+  def grouped(lhs, w):
+    return jax.lax.ragged_dot(lhs, w.astype(cd), sizes, preferred_element_type=F32)
+
+  a = jax.nn.silu(grouped(xs, mp["experts_gate"])) * grouped(xs, mp["experts_up"])
+  ys = grouped(a.astype(cd), mp["experts_down"])
+  y = ys[jnp.argsort(order)].reshape(B, L, k, D)
+  return jnp.einsum("blkd,blk->bld", y, w)
+
+
+def moe_block(cfg: ModelConfig, x, mp, routes=None, valid=None):
+  """A sparse layer's feed-forward on normed inputs x [B, L, D] -> (y [B, L, D],
+  LayerRouting).
+
+  The router's probabilities are softmax(x @ router) over all E experts (float32). Without
+  `routes` each position takes its top-k experts, weighted by their probabilities; with
+  `routes` [B, L, k] (rollout routing replay) it takes exactly those experts, weighted by the
+  current router's probabilities of them. With `norm_topk_prob` the k weights are
+  renormalised to sum to 1 either way. `valid` [B, L] (default all) marks the positions the
+  load-balancing statistics count.
+  """
+  cd = jnp.dtype(cfg.compute_dtype)
+  k = cfg.num_experts_per_tok
+  probs = jax.nn.softmax(dense(x, mp["router"], None, cd), axis=-1)
+  own_w, own = jax.lax.top_k(probs, k)
+  if routes is None:
+    idx, w = own, own_w
+    drift = jnp.zeros(x.shape[:2], bool)
+  else:
+    idx = routes.astype(jnp.int32)
+    w = jnp.take_along_axis(probs, idx, axis=-1)
+    drift = jnp.any(jnp.sort(own, axis=-1) != jnp.sort(idx, axis=-1), axis=-1)
+  if cfg.norm_topk_prob:
+    w = w / jnp.sum(w, axis=-1, keepdims=True)
+  impl = "ragged" if cfg.moe_impl == "auto" else cfg.moe_impl
+  y = (_experts_ragged if impl == "ragged" else _experts_dense)(cfg, x, mp, idx, w)
+  vf = jnp.ones(x.shape[:2], F32) if valid is None else valid.astype(F32)
+  counts = jnp.zeros((cfg.num_experts,), F32).at[idx.reshape(-1)].add(
+      jnp.repeat(vf.reshape(-1), k))
+  prob_sum = jnp.einsum("ble,bl->e", probs, vf)
+  return y, LayerRouting(idx, drift, counts, prob_sum)
+
+
+def _layer(cfg: ModelConfig, h, lp, cos, sin, vis, cache_kv, cache_start, window=None,
+           routes=None, valid=None):
+  """One decoder layer: (h, cache_kv, LayerRouting or None for a dense layer)."""
+  h, cache_kv = _attention(cfg, h, lp, cos, sin, vis, cache_kv, cache_start, window)
+  x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
+  if "router" in lp:
+    y, r = moe_block(cfg, x, lp, routes, valid)
+  else:
+    y, r = _mlp(cfg, x, lp), None
+  return h + y, cache_kv, r
+
+
+class Routing(NamedTuple):
+  """What the routers of all sparse layers did in one forward (`forward(routing_out=True)`)."""
+
+  experts: jax.Array  # int32 [B, L, sparse layers, k]: the experts each position used
+  drift: jax.Array  # bool [B, L]: in some sparse layer, the router's own top-k differs from
+  #                   the replayed experts (all False without replay)
+  balance: jax.Array  # f32 []: the load-balancing loss over valid positions (below)
+
+
+def _routing(cfg: ModelConfig, per_layer: list, shape) -> Routing:
+  """Assembles per-run LayerRouting (each stacked over its layers, leading axis) into one
+  Routing. balance is HF Qwen3-MoE's (Switch Transformer's) auxiliary loss, with all sparse
+  layers' positions pooled: E * sum_e f_e * P_e, f_e the fraction of (position, layer, slot)
+  selections that went to expert e (times k), P_e the mean router probability of e."""
+  B, L = shape
+  if not per_layer:
+    return Routing(jnp.zeros((B, L, 0, 0), jnp.int32), jnp.zeros((B, L), bool),
+                   jnp.zeros((), F32))
+  experts = jnp.concatenate([r.experts for r in per_layer], axis=0)  # [n, B, L, k]
+  drift = jnp.any(jnp.concatenate([r.drift for r in per_layer], axis=0), axis=0)
+  counts = sum(r.counts.sum(0) for r in per_layer)
+  prob_sum = sum(r.prob_sum.sum(0) for r in per_layer)
+  rows = jnp.maximum(prob_sum.sum(), 1e-9)  # = valid positions x sparse layers
+  balance = cfg.num_experts * jnp.sum(counts * prob_sum) / (rows * rows)
+  return Routing(jnp.moveaxis(experts, 0, 2), drift, balance)
+
+
+def _stack_layer(r: LayerRouting | None):
+  """One layer's routing with a leading axis of 1 (the unrolled paths)."""
+  return None if r is None else jax.tree.map(lambda a: a[None], r)
 
 
 def forward(params: Params, cfg: ModelConfig, tokens, positions, segment_ids=None, *,
-            cache: dict | None = None, remat: bool = False, window: int | None = None):
-  """Final hidden states [B, L, D] (f32, after the final norm) and the updated cache.
+            cache: dict | None = None, remat: bool = False, window: int | None = None,
+            routes=None, routing_out: bool = False):
+  """Final hidden states [B, L, D] (f32, after the final norm) and the updated cache, and
+  with `routing_out` the `Routing` as a third value.
 
   Packed mode: pass `segment_ids` (and no cache). Cached mode: pass `cache` from
   `init_cache`; positions must be contiguous within each row. `window` (static, cached mode
   only): the queries see only cache slots below it, so attention reads `window` slots, not
-  the whole cache (every position must be < window).
+  the whole cache (every position must be < window). `routes` (packed mode, MoE models):
+  int [B, L, sparse layers, k], the experts to use (rollout routing replay).
   """
   tokens = jnp.asarray(tokens)
   positions = jnp.asarray(positions)
   h = params["embed"][tokens].astype(F32)
   cos, sin = rope_tables(cfg, positions)
+  shape = tokens.shape
   if cache is not None:
+    if routes is not None:
+      raise ValueError("routing replay is for packed (learner) forwards, not cached decoding")
     # Per-layer cache buffers, so the layers run unrolled (the decode layout).
     if "layer_list" not in params:
-      params = decode_layout(params)
+      params = decode_layout(params, cfg)
     ks, vs = list(cache["k"]), list(cache["v"])
     start = positions[:, 0]
+    per = []
     for i, lp in enumerate(params["layer_list"]):
-      h, (ks[i], vs[i]) = _layer(cfg, h, lp, cos, sin, positions, (ks[i], vs[i]), start,
-                                 window)
+      h, (ks[i], vs[i]), r = _layer(cfg, h, lp, cos, sin, positions, (ks[i], vs[i]), start,
+                                    window)
+      if r is not None:
+        per.append(_stack_layer(r))
     h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
-    return h, {"k": tuple(ks), "v": tuple(vs)}
+    out = (h, {"k": tuple(ks), "v": tuple(vs)})
+    return (*out, _routing(cfg, per, shape)) if routing_out else out
 
   seg = jnp.ones_like(tokens) if segment_ids is None else jnp.asarray(segment_ids)
   vis = packed_visibility(seg)
+  valid = seg > 0
+  if routes is not None:
+    if not cfg.is_moe:
+      raise ValueError("routes were given to a dense model")
+    routes = jnp.moveaxis(jnp.asarray(routes), 2, 0)  # [sparse layers, B, L, k]
 
-  def body(h, lp):
-    h, _ = _layer(cfg, h, lp, cos, sin, vis, None, None)
-    return h, None
+  def body(h, xs):
+    lp, rt = xs
+    h, _, r = _layer(cfg, h, lp, cos, sin, vis, None, None, routes=rt, valid=valid)
+    return h, r
 
   if remat:
     body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+  per = []
   if "layer_list" in params:  # decode layout: unrolled over separate per-layer buffers
+    j = 0
     for lp in params["layer_list"]:
-      h, _ = body(h, lp)
+      rt = None
+      if routes is not None and "router" in lp:
+        rt, j = routes[j], j + 1
+      h, r = body(h, (lp, rt))
+      if r is not None:
+        per.append(_stack_layer(r))
   else:
-    h, _ = jax.lax.scan(body, h, params["layers"])
-  return rms_norm(h, params["final_norm"], cfg.rms_norm_eps), None
+    for stack, (a, b), (c, d) in _runs(cfg):
+      lp = _slice(params["layers"], a, b, cfg.num_layers)
+      if stack != "layers":
+        lp = {**lp, **_slice(params[stack], c, d, jax.tree.leaves(params[stack])[0].shape[0])}
+      rt = routes[c:d] if stack == "moe" and routes is not None else None
+      h, r = jax.lax.scan(body, h, (lp, rt))
+      if r is not None:
+        per.append(r)
+  h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+  return (h, None, _routing(cfg, per, shape)) if routing_out else (h, None)
+
+
+def _slice(tree, a, b, n):
+  return tree if (a, b) == (0, n) else jax.tree.map(lambda x: x[a:b], tree)
+
+
+def _runs(cfg: ModelConfig):
+  """Maximal runs of consecutive layers whose feed-forward weights live in the same stack:
+  [(stack, (first layer, end), (first stack index, end))]. One run for a dense model and for
+  an all-sparse MoE model (Qwen3-MoE's releases), so the forward is one scan."""
+  runs = []
+  for i, (stack, j) in enumerate(_feed_forward_source(cfg)):
+    if runs and runs[-1][0] == stack:
+      runs[-1][1][1], runs[-1][2][1] = i + 1, j + 1
+    else:
+      runs.append([stack, [i, i + 1], [j, j + 1]])
+  return [(s, tuple(x), tuple(y)) for s, x, y in runs]
 
 
 def unembed(params: Params) -> jax.Array:
@@ -303,16 +526,21 @@ def score_hidden(params: Params, cfg: ModelConfig, hidden, targets, temperature=
 
 
 def score_packed(params: Params, cfg: ModelConfig, tokens, targets, positions, segment_ids,
-                 temperature=1.0, *, remat=False, chunk_size: int | str | None = "auto"):
-  """Learner scoring on a packed batch: (logp, entropy), each float32 [R, L]."""
-  h, _ = forward(params, cfg, tokens, positions, segment_ids, remat=remat)
-  return score_hidden(params, cfg, h, jnp.asarray(targets), temperature, chunk_size)
+                 temperature=1.0, *, remat=False, chunk_size: int | str | None = "auto",
+                 routes=None, routing_out: bool = False):
+  """Learner scoring on a packed batch: (logp, entropy), each float32 [R, L]; with
+  `routing_out`, (logp, entropy, Routing). `routes`: replayed experts (see `forward`)."""
+  h, _, routing = forward(params, cfg, tokens, positions, segment_ids, remat=remat,
+                          routes=routes, routing_out=True)
+  logp, ent = score_hidden(params, cfg, h, jnp.asarray(targets), temperature, chunk_size)
+  return (logp, ent, routing) if routing_out else (logp, ent)
 
 
 # --- the NNX module ----------------------------------------------------------------------------
 
 class Layers(nnx.Module):
-  """Stacked per-layer weights, each with a leading [num_layers] axis."""
+  """Stacked per-layer weights, each with a leading layer axis (all layers, or an MoE
+  model's sparse or dense ones)."""
 
   def __init__(self, arrays: dict[str, jax.Array]):
     for name, a in arrays.items():
@@ -331,6 +559,10 @@ class Decoder(nnx.Module):
     self.embed = nnx.Param(params["embed"])
     self.final_norm = nnx.Param(params["final_norm"])
     self.layers = Layers(params["layers"])
+    if "moe" in params:
+      self.moe = Layers(params["moe"])
+    if "mlp" in params:
+      self.mlp = Layers(params["mlp"])
     if "lm_head" in params:
       self.lm_head = nnx.Param(params["lm_head"])
 

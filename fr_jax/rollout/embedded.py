@@ -129,7 +129,7 @@ class EmbeddedEngine:
       raise ValueError(f"num_slots={num_slots} and max_len={max_len} must be >= 1 and >= 2")
     self.cfg = cfg
     self._epoch = 0  # bumped by every weight swap: older entries are never reused
-    self.params = decoder.decode_layout(params)
+    self.params = decoder.decode_layout(params, cfg)
     self.tokenizer = tokenizer
     self.num_slots = num_slots
     self.max_len = max_len
@@ -159,7 +159,7 @@ class EmbeddedEngine:
 
   def update_weights(self, params, version: int) -> None:
     """New parameters (same shapes and dtypes) for every token sampled from now on."""
-    self.params = decoder.decode_layout(params)
+    self.params = decoder.decode_layout(params, self.cfg)
     self.version = int(version)
 
   @property

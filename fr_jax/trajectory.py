@@ -9,10 +9,19 @@ interleaved). Per completion token it carries:
 * `policy_version`: the policy version that produced the token (it may change mid-trajectory
   when a weight update lands between turns).
 
+Mixture-of-experts models with routing replay also carry, per position the model reads,
+`routed_experts`: int8/int16 [P + C - 1, sparse layers, k], the ids of the k experts the
+engine routed that position to in each sparse layer (`ModelConfig.moe_layers`), so the learner
+scores with the same experts. Row j is the routing of input token j (prompt, then completion);
+the last token is only ever a target and has no row, as in `fr_jax/packing.py`. It stays in
+the engine's compact dtype (`ModelConfig.routing_dtype`); None when routing was not recorded.
+
 `validate()` refuses a malformed record with a named reason (`TrajectoryError.reason`, one of
 `REASONS`), never a bare assert. Besides the shape of the record it checks what the learner can
 digest: token ids inside the model's vocabulary, a reward that is finite in float32, behaviour
-log-probs above a floor (so exp(log pi - log mu) stays finite), and bounded string fields.
+log-probs above a floor (so exp(log pi - log mu) stays finite), bounded string fields, and,
+when the learner replays routing, routed_experts of the model's shape, in range and with k
+distinct experts per position and layer.
 It runs once per record, where the record is admitted (the learner service, `launch.sft`, the
 replication driver); `Learner.update` takes admitted records as they are.
 
@@ -48,6 +57,10 @@ REASONS = (
     "reward_out_of_range",  # finite as a float64 but not as a float32
     "behavior_logp_below_floor",  # an action's behaviour log-prob below LOGP_FLOOR
     "field_too_long",  # a string field longer than MAX_STRING_BYTES
+    "missing_routing",  # the learner replays routing but the record has no routed_experts
+    # routed_experts of the wrong rank, length, dtype or (sparse layers, k), an expert id
+    # outside [0, num_experts), or an expert picked twice for one position and layer
+    "bad_routing",
 )
 
 
@@ -81,6 +94,8 @@ class Trajectory:
   num_turns: int = 1
   env: str = ""
   traj_id: str = ""  # "producer/seq" (see record_key); filled from prompt_id when empty
+  # int8/int16 [P + C - 1, sparse layers, k]: routing replay (module docstring); None: none
+  routed_experts: np.ndarray | None = None
 
   def __post_init__(self):
     self.prompt_tokens = np.asarray(self.prompt_tokens)
@@ -91,6 +106,8 @@ class Trajectory:
     if pv.ndim == 0:  # one version for the whole trajectory
       pv = np.full(self.completion_tokens.shape, int(pv), np.int32)
     self.policy_version = pv
+    if self.routed_experts is not None:  # kept in the engine's compact dtype
+      self.routed_experts = np.asarray(self.routed_experts)
     self.prompt_id = str(self.prompt_id)
     if not self.traj_id:
       self.traj_id = self.prompt_id
@@ -139,12 +156,62 @@ def record_key(traj_id: str) -> tuple[str, int]:
   return traj_id, 0
 
 
+def _check_routing(traj: Trajectory, routing: tuple[int, int, int] | None):
+  """routed_experts against the record's length and, when the learner replays routing,
+  `routing` = (sparse layers, k, num_experts). Vectorised: a 16k-token record of 48 layers x 8
+  experts takes about 10 ms."""
+  r = traj.routed_experts
+  if r is None:
+    if routing is not None:
+      _fail("missing_routing", traj, f"no routed_experts, but the learner replays routing "
+            f"(sparse layers, k, experts) = {tuple(routing)}: run the engine with routing "
+            "replay on (Request.routed_experts_start)")
+    return
+  n = traj.length - 1
+  if not isinstance(r, np.ndarray) or r.ndim != 3 or r.shape[0] != n:
+    shape = getattr(r, "shape", type(r).__name__)
+    _fail("bad_routing", traj, f"routed_experts has shape {shape}; expected [length - 1 = {n}, "
+          "sparse layers, k] (one row per position the model reads)")
+  if not np.issubdtype(r.dtype, np.integer):
+    _fail("bad_routing", traj, f"routed_experts must hold integers, got dtype {r.dtype}")
+  if routing is None:
+    return
+  layers, k, num_experts = (int(x) for x in routing)
+  if r.shape[1:] != (layers, k):
+    _fail("bad_routing", traj, f"routed_experts has shape {r.shape}; the model routes "
+          f"[{n}, {layers} sparse layers, {k} experts per token]")
+  if not r.size:
+    return
+  if int(r.min()) < 0 or int(r.max()) >= num_experts:
+    bad = (r < 0) | (r.astype(np.int64) >= num_experts)
+    i = tuple(int(x) for x in np.unravel_index(np.argmax(bad), r.shape))
+    _fail("bad_routing", traj, f"routed_experts[{i[0]}, {i[1]}, {i[2]}] = {r[i]}; expert ids "
+          f"must be in [0, {num_experts})")
+  # k ids per (position, layer) must differ: compare each id column with the ones before it
+  # (k(k-1)/2 vectorised comparisons over contiguous columns; k is small).
+  cols = np.ascontiguousarray(np.moveaxis(r, -1, 0).reshape(k, -1))
+  if any((cols[j] == cols[:j]).any() for j in range(1, k)):
+    dup = np.zeros(cols.shape[1], bool)
+    for j in range(1, k):
+      dup |= (cols[j] == cols[:j]).any(axis=0)
+    pos, layer = divmod(int(np.argmax(dup)), layers)
+    ids = r[pos, layer].tolist()
+    twice = next(e for j, e in enumerate(ids) if e in ids[:j])
+    _fail("bad_routing", traj, f"routed_experts[{pos}, {layer}] = {ids} picks expert {twice} "
+          "twice; the k experts of a position and layer must be distinct")
+
+
 def validate(traj: Trajectory, *, max_length: int | None = None,
              vocab_size: int | None = None, logp_floor: float = LOGP_FLOOR,
-             max_abs_reward: float = F32_MAX) -> Trajectory:
+             max_abs_reward: float = F32_MAX,
+             routing: tuple[int, int, int] | None = None) -> Trajectory:
   """Checks a record; returns it unchanged or raises `TrajectoryError` with a named reason.
   `vocab_size` (the model's) bounds token ids; `logp_floor` bounds behaviour log-probs of
-  actions from below; |reward| must not exceed `max_abs_reward`."""
+  actions from below; |reward| must not exceed `max_abs_reward`. `routing` = (sparse layers,
+  k, num_experts) when the learner replays the engine's routing: the record must then carry
+  routed_experts of shape [length - 1, sparse layers, k] with k distinct ids in
+  [0, num_experts) per position and layer. Without it, routed_experts (if any) is only checked
+  to be an integer [length - 1, ., .] array."""
   if not isinstance(traj, Trajectory):
     raise TrajectoryError("bad_field", f"expected a Trajectory, got {type(traj).__name__}")
   for name in ("prompt_id", "traj_id", "env"):
@@ -192,6 +259,7 @@ def validate(traj: Trajectory, *, max_length: int | None = None,
   if max_length is not None and traj.length > max_length:
     _fail("too_long", traj, f"length {traj.length} (prompt {traj.prompt_tokens.shape[0]} + "
           f"completion {C}) exceeds the configured maximum {max_length}")
+  _check_routing(traj, routing)
 
   mask = traj.action_mask
   if not mask.any():

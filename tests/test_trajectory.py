@@ -1,6 +1,7 @@
 """Trajectory validation: every refusal reason, each from a minimal bad record."""
 
 import math
+import time
 
 import numpy as np
 import pytest
@@ -131,10 +132,140 @@ def test_record_key_splits_producer_and_sequence():
 
 
 def test_all_reasons_are_covered():
-  assert set(CASES) | {"too_long", "token_out_of_vocab"} == set(REASONS)
+  assert set(CASES) | {"too_long", "token_out_of_vocab"} | set(ROUTING_CASES) == set(REASONS)
 
 
 def test_nan_reward_and_non_trajectory():
   assert rejection_reason(good(reward=float("nan"))) == "nonfinite_reward"
   with pytest.raises(TrajectoryError):
     validate({"reward": 1})
+
+
+# --- routing replay: routed_experts [P + C - 1, sparse layers, k] ---
+ROUTING = (2, 3, 8)  # sparse layers, k, experts
+
+
+def routed(dtype=np.int8, n=7, layers=2, k=3, num_experts=8, seed=0):
+  """Valid expert ids: k distinct of num_experts per (position, layer), as a router picks."""
+  rng = np.random.default_rng(seed)
+  return np.argsort(rng.random((n, layers, num_experts)), axis=-1)[..., :k].astype(dtype)
+
+
+def with_id(r, index, value):
+  r = r.copy()
+  r[index] = value
+  return r
+
+
+def first_duplicate(r):
+  """(position, layer, expert) of the first repeated id, by a plain loop: the reference."""
+  for pos in range(r.shape[0]):
+    for layer in range(r.shape[1]):
+      seen = set()
+      for e in r[pos, layer].tolist():
+        if e in seen:
+          return pos, layer, e
+        seen.add(e)
+  return None
+
+
+# Each bad routed_experts with its reason and message; good() has P + C - 1 = 7 read positions.
+ROUTING_CASES = {
+    "missing_routing": [(None, "no routed_experts, but the learner replays routing")],
+    "bad_routing": [
+        (routed(layers=3), r"shape \(7, 3, 3\); the model routes \[7, 2 sparse layers, 3"),
+        (routed(k=2), r"shape \(7, 2, 2\); the model routes"),
+        (routed(n=8), r"shape \(8, 2, 3\); expected \[length - 1 = 7"),
+        (routed(n=6), r"shape \(6, 2, 3\); expected \[length - 1 = 7"),
+        (routed()[:, 0], r"shape \(7, 3\); expected"),
+        (routed().astype(np.float32), "must hold integers, got dtype float32"),
+        (routed().astype(bool), "must hold integers, got dtype bool"),
+        (with_id(routed(), (4, 1, 2), -1), r"routed_experts\[4, 1, 2\] = -1; expert ids must "
+         r"be in \[0, 8\)"),
+        (with_id(routed(), (6, 0, 0), 8), r"routed_experts\[6, 0, 0\] = 8"),
+        (with_id(routed(np.int16), (0, 1, 1), 300), r"routed_experts\[0, 1, 1\] = 300"),
+        (with_id(routed(), (3, 1), [5, 2, 5]),
+         r"routed_experts\[3, 1\] = \[5, 2, 5\] picks expert 5 twice"),
+        (with_id(routed(), (5, 0), [1, 1, 1]), r"routed_experts\[5, 0\] = \[1, 1, 1\] picks "
+         "expert 1 twice"),
+    ],
+}
+
+
+@pytest.mark.parametrize("reason,r,message", [
+    (reason, r, message) for reason, cases in ROUTING_CASES.items() for r, message in cases])
+def test_each_routing_reason(reason, r, message):
+  t = good(routed_experts=r)
+  assert rejection_reason(t, routing=ROUTING) == reason
+  with pytest.raises(TrajectoryError, match=message) as e:
+    validate(t, routing=ROUTING)
+  assert "p0" in str(e.value)
+
+
+@pytest.mark.parametrize("dtype,num_experts", [(np.int8, 128), (np.int16, 129),
+                                               (np.int16, 300)])
+def test_good_routing_is_accepted_in_its_compact_dtype(dtype, num_experts):
+  r = routed(dtype, num_experts=num_experts)
+  r[0, 0] = [num_experts - 1, 0, 1]  # both ends of the range
+  t = good(routed_experts=r)
+  assert t.routed_experts.dtype == dtype  # not upcast
+  assert validate(t, routing=(2, 3, num_experts)) is t
+  assert rejection_reason(t, routing=(2, 3, num_experts - 1)) == "bad_routing"
+
+
+def test_routed_experts_from_a_list_becomes_an_array():
+  t = good(routed_experts=routed().tolist())
+  assert isinstance(t.routed_experts, np.ndarray) and t.routed_experts.shape == (7, 2, 3)
+  assert good().routed_experts is None
+
+
+def test_without_routing_only_the_layout_is_checked():
+  # The learner does not replay routing: no routed_experts is fine, and present ones are only
+  # checked to be integer [length - 1, ., .] (their range and distinctness are not looked at).
+  assert rejection_reason(good()) is None
+  assert rejection_reason(good(routed_experts=routed())) is None
+  assert rejection_reason(good(routed_experts=routed(layers=5, k=1))) is None
+  assert rejection_reason(good(routed_experts=with_id(routed(), (0, 0), [9, 9, -4]))) is None
+  for bad in (routed(n=8), routed()[:, 0], routed().astype(np.float64)):
+    assert rejection_reason(good(routed_experts=bad)) == "bad_routing"
+
+
+def test_the_first_duplicate_named_matches_a_plain_loop():
+  rng = np.random.default_rng(1)
+  for trial in range(20):
+    r = routed(n=7, layers=2, k=4, num_experts=6, seed=trial)
+    for _ in range(int(rng.integers(1, 4))):  # one to three duplicates anywhere
+      pos, layer, a, b = (int(rng.integers(0, m)) for m in (7, 2, 4, 4))
+      r[pos, layer, a] = r[pos, layer, b]
+    want = first_duplicate(r)
+    got = rejection_reason(good(routed_experts=r), routing=(2, 4, 6))
+    if want is None:
+      assert got is None
+      continue
+    pos, layer, e = want
+    with pytest.raises(TrajectoryError, match=rf"routed_experts\[{pos}, {layer}\] = "
+                       rf"\[[0-9, ]*\] picks expert {e} twice"):
+      validate(good(routed_experts=r), routing=(2, 4, 6))
+
+
+def test_routing_validation_of_a_long_record_is_vectorised():
+  # 16k tokens, 48 sparse layers x 8 of 128 experts (6.3 MB of int8): milliseconds, not the
+  # seconds a Python loop over positions would take.
+  P, C, layers, k, E = 1024, 15360, 48, 8, 128
+  rng = np.random.default_rng(0)
+  start = rng.integers(0, E - k, (P + C - 1, layers, 1))
+  r = ((start + np.arange(k)) % E).astype(np.int8)  # k consecutive ids: distinct
+  t = good(prompt_tokens=np.ones(P, np.int32), completion_tokens=np.ones(C, np.int32),
+           action_mask=np.ones(C, bool), behavior_logp=np.full(C, -0.5, np.float32),
+           routed_experts=r)
+  validate(t, routing=(layers, k, E))
+  best = min(_timed(lambda: validate(t, routing=(layers, k, E))) for _ in range(3))
+  assert best < 0.25, f"{best * 1e3:.0f} ms"
+  r[P + C - 2, layers - 1, k - 1] = r[P + C - 2, layers - 1, 0]  # the very last row
+  assert rejection_reason(t, routing=(layers, k, E)) == "bad_routing"
+
+
+def _timed(fn):
+  t0 = time.perf_counter()
+  fn()
+  return time.perf_counter() - t0

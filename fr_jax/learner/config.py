@@ -20,7 +20,7 @@ import weakref
 import ml_collections
 
 from fr_jax import objective as obj
-from fr_jax.models.config import ConfigError, check_attention
+from fr_jax.models.config import MOE_IMPLS, ConfigError, check_attention
 
 __all__ = ["LOSSES", "ConfigError", "check_fields", "default_config", "ensure_valid",
            "remember_valid", "validate"]
@@ -40,6 +40,9 @@ def default_config() -> ml_collections.ConfigDict:
       # flash above). Flash kernels keep
       # attention memory linear in the row length.
       attention="auto",
+      # MoE models: ragged (grouped experts, jax.lax.ragged_dot), dense (every expert on every
+      # token: the reference) or auto (ragged). How, not what.
+      moe_impl="auto",
       seed=0,  # init seed for random (tiny) models
       # the registry SHAPES entry of this model's architecture: `launch.compile_check`
       # compiles the update from it, without the checkpoint
@@ -55,6 +58,11 @@ def default_config() -> ml_collections.ConfigDict:
       clip_eps_high=0.2,  # grpo only
       normalize_std=True,  # grpo only: divide group advantages by the group std
       temperature=1.0,  # the rollouts' sampling temperature, applied when scoring
+      # MoE models: weight of the routers' load-balancing loss (HF Qwen3-MoE's, Switch
+      # Transformer's) added to the objective. 0 (off) as in the paper's recipe, which adds
+      # nothing to the REINFORCE objective; with routing replay it would pull the routers away
+      # from the routing the engine sampled with.
+      router_aux_loss_coef=0.0,
   ))
   c.optim = ml_collections.ConfigDict(dict(
       lr=1e-6,  # Molt R1 defaults
@@ -77,6 +85,11 @@ def default_config() -> ml_collections.ConfigDict:
   c.batch_size = 128  # B trajectories per update
   c.minibatches = 1  # k > 1: a batch of k*B is split into k consecutive updates (ablation)
   c.max_policy_lag = -1  # drop trajectories older than this many versions; -1 keeps all
+  # MoE models: rollout routing replay (docs/learner.md). True: every record must carry the
+  # experts the engine routed each position to, and the learner scores with them. False:
+  # the learner routes with its own routers (records' routing, if any, only feeds the drift
+  # metric). Dense models ignore it.
+  c.routing_replay = True
   c.checkpoint = ml_collections.ConfigDict(dict(
       dir="",  # empty: no checkpoints
       every=50,  # updates between saves
@@ -153,6 +166,10 @@ def check_fields(c: ml_collections.ConfigDict) -> None:
   if not 0 <= c.optim.min_lr_ratio <= 1 or not 0 <= c.optim.warmup_frac < 1:
     raise ConfigError("optim.min_lr_ratio must be in [0, 1] and optim.warmup_frac in [0, 1)")
   check_attention(c.model.attention, "model.attention")
+  if c.model.moe_impl not in MOE_IMPLS:
+    raise ConfigError(f"model.moe_impl={c.model.moe_impl!r}: choose one of {MOE_IMPLS}")
+  if not o.router_aux_loss_coef >= 0:
+    raise ConfigError(f"objective.router_aux_loss_coef={o.router_aux_loss_coef} must be >= 0")
   if c.model.compute_dtype not in ("float32", "bfloat16") or \
      c.model.param_dtype not in ("float32", "bfloat16"):
     raise ConfigError("model.param_dtype and model.compute_dtype must be float32 or bfloat16")

@@ -9,7 +9,9 @@ are made here, in NumPy, after the step:
   scores the very weights that sampled, so what is left is the engine's numerical mismatch;
   at higher lags staleness drift adds to it. Per bucket: the token mean of |delta log p|
   (`abs_dlogp`) and of the Bernoulli KL (`token_kl`), the mean of D_i (`kl_proxy`, what the
-  gate bounds) and the number of trajectories.
+  gate bounds) and the number of trajectories; for an MoE model whose records carry routing,
+  the fraction of action tokens whose learner top-k differs from the recorded experts
+  (`routing_drift`).
 * **the gate's acceptance by response length** (`gate/acceptance_len_q{1..4}`): records sorted
   by completion length and cut into four groups of equal size (by rank, so ties may straddle
   a cut); `gate/len_q{k}_max` is each group's longest response.
@@ -27,7 +29,7 @@ LAG_BUCKETS = (("0", 0, 0), ("1", 1, 1), ("2_3", 2, 3), ("4plus", 4, np.iinfo(np
 
 
 def split_metrics(*, lag_B, action_tokens_B, response_len_B, advantage_B, admitted_B,
-                  seq_kl_B, abs_dlogp_sum_B, token_kl_sum_B) -> dict:
+                  seq_kl_B, abs_dlogp_sum_B, token_kl_sum_B, drift_sum_B=None) -> dict:
   """The split metrics of one batch of B records (every argument is [B], in record order)."""
   lag = np.asarray(lag_B)
   tokens = np.asarray(action_tokens_B, np.float64)
@@ -42,6 +44,8 @@ def split_metrics(*, lag_B, action_tokens_B, response_len_B, advantage_B, admitt
     out[f"mismatch/lag_{name}/token_kl"] = float(np.sum(token_kl_sum_B, where=sel) / n_tok)
     out[f"mismatch/lag_{name}/kl_proxy"] = float(np.mean(np.asarray(seq_kl_B)[sel]))
     out[f"mismatch/lag_{name}/trajectories"] = int(sel.sum())
+    if drift_sum_B is not None:
+      out[f"mismatch/lag_{name}/routing_drift"] = float(np.sum(drift_sum_B, where=sel) / n_tok)
   length = np.asarray(response_len_B)
   order = np.argsort(length, kind="stable")
   for q, idx in enumerate(np.array_split(order, 4), start=1):

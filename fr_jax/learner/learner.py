@@ -55,11 +55,21 @@ def measure_peak_flops(dtype: str = "float32", n: int = 2048, repeats: int = 5) 
 
 def step_config(c: ml_collections.ConfigDict, model_config) -> step.StepConfig:
   o = c.objective
+  moe = model_config.is_moe
   return step.StepConfig(
       model=model_config, loss=o.loss, delta=float(o.delta), reduction=o.reduction,
       trust=o.trust, advantage=o.advantage, clip_eps=float(o.clip_eps),
       clip_eps_high=float(o.clip_eps_high), temperature=float(o.temperature),
-      remat=bool(c.model.remat))
+      # Supervised data (launch.sft) was not sampled by an engine: nothing to replay.
+      remat=bool(c.model.remat), replay=moe and bool(c.routing_replay) and o.loss != "sft",
+      router_aux_loss_coef=float(o.router_aux_loss_coef) if moe else 0.0)
+
+
+def learner_model_config(c: ml_collections.ConfigDict, model_config):
+  """The model's config with the learner's dtypes and how-not-what choices applied."""
+  return model_config.replace(param_dtype=c.model.param_dtype,
+                              compute_dtype=c.model.compute_dtype,
+                              attention=c.model.attention, moe_impl=c.model.moe_impl)
 
 
 def state_shardings(params, optimizer, mesh):
@@ -84,9 +94,7 @@ def compile_update_from_shapes(config: ml_collections.ConfigDict, model_config, 
   state is materialised, so a config far larger than this machine's memory compiles. The
   executable's `memory_analysis()` is per device. Returns (executable, mesh)."""
   c = lcfg.ensure_valid(config)
-  model_config = model_config.replace(param_dtype=c.model.param_dtype,
-                                      compute_dtype=c.model.compute_dtype,
-                                      attention=c.model.attention)
+  model_config = learner_model_config(c, model_config)
   mesh = meshlib.make_mesh(c.mesh.data, c.mesh.fsdp, devices)
   optimizer, lr_schedule = optim.make_optimizer(c.optim), optim.schedule(c.optim)
   dtype = jnp.dtype(c.model.param_dtype)
@@ -101,8 +109,12 @@ def compile_update_from_shapes(config: ml_collections.ConfigDict, model_config, 
   # The batch's shapes and dtypes are packing's own: one tiny trajectory packed into `rows`.
   tiny = Trajectory("shape", np.zeros(1, np.int32), np.zeros(1, np.int32), np.ones(1, bool),
                     np.zeros(1, np.float32), 0.0, 0)
+  routing = None
+  if model_config.is_moe:
+    routing = model_config.routing_shape
+    tiny.routed_experts = np.zeros((1, *routing), model_config.routing_dtype)
   (b,) = pack([tiny], PackingSpec(c.packing.row_len, (rows,),
-                                  c.packing.max_segments_per_row)).batches
+                                  c.packing.max_segments_per_row), routing).batches
   batch = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), b,
                        meshlib.batch_sharding(b, mesh))
   rep = meshlib.replicated(mesh)
@@ -143,9 +155,7 @@ class Learner:
     if model is None:
       model = registry.load(c.model.name, param_dtype=c.model.param_dtype,
                             compute_dtype=c.model.compute_dtype, seed=c.model.seed)
-    self.model_config = model.config.replace(param_dtype=c.model.param_dtype,
-                                             compute_dtype=c.model.compute_dtype,
-                                             attention=c.model.attention)
+    self.model_config = learner_model_config(c, model.config)
     self.tokenizer = model.tokenizer
     self.mesh = meshlib.make_mesh(c.mesh.data, c.mesh.fsdp, devices)
     self.spec = PackingSpec(c.packing.row_len, tuple(c.packing.row_buckets),
@@ -197,8 +207,20 @@ class Learner:
   @property
   def record_limits(self) -> dict:
     """What a record must satisfy to be digestible by this model (`trajectory.validate`)."""
-    return dict(max_length=self.spec.max_trajectory_length,
-                vocab_size=self.model_config.vocab_size)
+    limits = dict(max_length=self.spec.max_trajectory_length,
+                  vocab_size=self.model_config.vocab_size)
+    if self.step_config.replay:  # every record must carry the engine's experts
+      limits["routing"] = (*self.model_config.routing_shape, self.model_config.num_experts)
+    return limits
+
+  def _routing(self, trajs) -> tuple[int, int] | None:
+    """(sparse layers, k) when the batch's routing is packed: always under replay; without
+    it, when every record carries routing (for the drift metric)."""
+    mc = self.model_config
+    if mc.is_moe and (self.step_config.replay or all(
+        getattr(t, "routed_experts", None) is not None for t in trajs)):
+      return mc.routing_shape
+    return None
 
   @property
   def compile_count(self) -> int:
@@ -234,7 +256,7 @@ class Learner:
 
   def _micro_batches(self, trajs, reward_mean: float, advantages: np.ndarray | None):
     """(packed batch, whole-batch normalisers, device micro-batches)."""
-    packed = pack(trajs, self.spec)
+    packed = pack(trajs, self.spec, self._routing(trajs))
     B = len(trajs)
     T = float(sum(t.num_action_tokens for t in trajs))
     # Whole-batch normalisers: every micro-batch sees B, sum R (as B * mean) and sum T.
@@ -306,7 +328,8 @@ class Learner:
         lag_B=lags, action_tokens_B=[t.num_action_tokens for t in trajs],
         response_len_B=[t.completion_tokens.shape[0] for t in trajs], advantage_B=adv,
         admitted_B=per["admitted"], seq_kl_B=per["seq_kl"],
-        abs_dlogp_sum_B=per["abs_dlogp_sum"], token_kl_sum_B=per["token_kl_sum"])
+        abs_dlogp_sum_B=per["abs_dlogp_sum"], token_kl_sum_B=per["token_kl_sum"],
+        drift_sum_B=per["drift_sum"] if packed.batches[0].routes is not None else None)
 
   def objective_finite(self, trajs: Sequence[Trajectory]) -> bool:
     """Whether the one-batch objective on `trajs` alone (with their own B, mean reward and

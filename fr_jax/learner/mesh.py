@@ -55,10 +55,11 @@ def params_sharding(params, mesh):
 
 
 def batch_sharding(batch, mesh):
-  """[R, L] fields split over rows across the whole mesh; [S] fields replicated."""
+  """[R, L, ...] fields split over rows across the whole mesh; [S] fields replicated; absent
+  (None) fields stay None."""
   rows = NamedSharding(mesh, P(BATCH_AXES))
   rep = NamedSharding(mesh, P())
-  return type(batch)(*[rows if np.ndim(x) == 2 else rep for x in batch])
+  return type(batch)(*[None if x is None else rows if np.ndim(x) >= 2 else rep for x in batch])
 
 
 def replicated(mesh):

@@ -10,8 +10,10 @@ A batch whose loss or gradient norm is not finite applies nothing: the state is 
 
 Each micro-batch also returns per-trajectory values [S] (`SEGMENT_VALUES`: the gate's D_i
 and decision from the objective, the sums of |log pi - log mu| and of the Bernoulli KL over
-the action tokens): the learner splits them on the host by what only the host knows per
-record (policy lag, response length, advantage sign; `fr_jax.learner.diagnostics`). The
+the action tokens, and, for an MoE model whose records carry routing, how many of them
+drifted: scored where the learner's own top-k is not the recorded set): the learner splits
+them on the host by what only the host knows per record (policy lag, response length,
+advantage sign; `fr_jax.learner.diagnostics`). The
 metrics' per-token ratio and KL are recomputed here from the same log-probs, for every loss
 (sft and grpo included); the objective's own copies are not passed out.
 """
@@ -51,6 +53,8 @@ class StepConfig:
   clip_eps_high: float = 0.2
   temperature: float = 1.0
   remat: bool = True
+  replay: bool = False  # MoE: score with the batch's recorded experts (batch.routes)
+  router_aux_loss_coef: float = 0.0  # MoE: weight of the routers' load-balancing loss
 
 
 def init_state(params, optimizer: optax.GradientTransformation) -> TrainState:
@@ -60,9 +64,9 @@ def init_state(params, optimizer: optax.GradientTransformation) -> TrainState:
 
 _SUMS = ("loss", "admitted", "trajectories", "tokens", "seq_kl_sum", "ratio_sum",
          "entropy_sum", "token_kl_sum", "ratio_outside", "admitted_tokens",
-         "admitted_ratio_sum", "admitted_ratio_sq_sum")
+         "admitted_ratio_sum", "admitted_ratio_sq_sum", "drift_tokens", "router_balance")
 _MAXES = ("seq_kl_max", "ratio_max")
-SEGMENT_VALUES = ("seq_kl", "admitted", "abs_dlogp_sum", "token_kl_sum")
+SEGMENT_VALUES = ("seq_kl", "admitted", "abs_dlogp_sum", "token_kl_sum", "drift_sum")
 # Importance ratios outside [1/RATIO_BAND, RATIO_BAND] are counted (`ratio_outside_frac`).
 RATIO_BAND = 2.0
 
@@ -71,10 +75,15 @@ def _grads_and_sums(params, batch, stats: obj.BatchStats, sc: StepConfig):
   """Gradient, metric sums and per-trajectory values [S] of one micro-batch's share of the
   batch objective."""
 
+  routes = batch.routes if sc.replay else None
+  if sc.replay and routes is None:
+    raise ValueError("routing replay needs a batch packed with routes (records carrying "
+                     "routed_experts)")
+
   def loss_fn(params):
-    logp, entropy = decoder.score_packed(params, sc.model, batch.tokens, batch.targets,
-                                         batch.positions, batch.segment_ids, sc.temperature,
-                                         remat=sc.remat)
+    logp, entropy, routing = decoder.score_packed(
+        params, sc.model, batch.tokens, batch.targets, batch.positions, batch.segment_ids,
+        sc.temperature, remat=sc.remat, routes=routes, routing_out=True)
     if sc.loss == "sft":
       # Supervised: the objective with A_i = 1, rho = 1 and no gate, i.e. the mean over
       # sequences of each one's mean negative log-likelihood of its action tokens (or the
@@ -93,9 +102,12 @@ def _grads_and_sums(params, batch, stats: obj.BatchStats, sc: StepConfig):
           logp, batch.behavior_logp, batch.action_mask, batch.segment_ids, batch.rewards,
           batch.segment_valid, clip_eps=sc.clip_eps, clip_eps_high=sc.clip_eps_high,
           reduction=sc.reduction, stats=stats)
-    return loss, (aux, logp, entropy)
+    if sc.router_aux_loss_coef:
+      loss = loss + sc.router_aux_loss_coef * routing.balance
+    return loss, (aux, logp, entropy, routing)
 
-  (loss, (aux, logp, entropy)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+  (loss, (aux, logp, entropy, routing)), grads = jax.value_and_grad(loss_fn,
+                                                                    has_aux=True)(params)
   mask = batch.action_mask
   valid = batch.segment_valid
   f32 = jnp.float32
@@ -112,6 +124,15 @@ def _grads_and_sums(params, batch, stats: obj.BatchStats, sc: StepConfig):
   token_admitted = mask & jnp.concatenate([jnp.zeros((1,), bool), admitted])[batch.segment_ids]
   rho_admitted = jnp.where(token_admitted, rho, 0.0)
   outside = mask & ((rho > RATIO_BAND) | (rho < 1.0 / RATIO_BAND))
+  # Routing drift: the positions scoring an action whose learner top-k (the current routers')
+  # differs, in some sparse layer, from the experts the engine recorded.
+  if batch.routes is None:
+    drift = jnp.zeros(mask.shape, bool)
+  elif sc.replay:
+    drift = routing.drift & mask
+  else:
+    own, rec = jnp.sort(routing.experts, axis=-1), jnp.sort(batch.routes.astype(jnp.int32), -1)
+    drift = jnp.any(own != rec, axis=(-2, -1)) & mask
   sums = {
       "loss": loss,
       "admitted": admitted.sum().astype(f32),
@@ -125,6 +146,8 @@ def _grads_and_sums(params, batch, stats: obj.BatchStats, sc: StepConfig):
       "admitted_tokens": token_admitted.sum().astype(f32),
       "admitted_ratio_sum": rho_admitted.sum(),
       "admitted_ratio_sq_sum": (rho_admitted * rho_admitted).sum(),
+      "drift_tokens": drift.sum().astype(f32),
+      "router_balance": routing.balance,
   }
   maxes = {"seq_kl_max": jnp.where(valid, seq_kl, 0.0).max(), "ratio_max": rho.max()}
   segment = {
@@ -132,6 +155,7 @@ def _grads_and_sums(params, batch, stats: obj.BatchStats, sc: StepConfig):
       "admitted": admitted,
       "abs_dlogp_sum": obj.segment_sum(jnp.abs(log_rho), batch.segment_ids, S),
       "token_kl_sum": obj.segment_sum(d, batch.segment_ids, S),
+      "drift_sum": obj.segment_sum(drift.astype(f32), batch.segment_ids, S),
   }
   return grads, sums, maxes, segment
 
@@ -195,4 +219,9 @@ def update(state: TrainState, acc: dict | None, batch, stats, *, sc: StepConfig,
       "trajectories": sums["trajectories"],
       "finite": ok,
   }
+  if sc.model.is_moe:
+    # The load-balancing loss summed over micro-batches (one per micro-batch: 1 normally).
+    metrics["router_balance"] = sums["router_balance"]
+    if batch.routes is not None:
+      metrics["routing_drift"] = sums["drift_tokens"] / n_tok
   return new_state, metrics, segment

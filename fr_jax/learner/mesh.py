@@ -1,9 +1,19 @@
 """The (data, fsdp) device mesh and the sharding rules for parameters and packed batches.
 
 * Packed rows are split over both axes (data parallelism across the whole mesh).
-* Each parameter is split over `fsdp` along its largest dimension that divides evenly
-  (never the stacked-layer axis); everything else is replicated. Optimizer state follows
-  the parameter it belongs to (jit propagates the parameter shardings into optax's init).
+* Each parameter is split over `fsdp` along its largest dimension that divides evenly; a leaf
+  of a stacked subtree (`decoder.STACKS`: "layers", and an MoE model's "moe" and "mlp") never
+  on its leading layer axis. Everything else is replicated. Optimizer state follows the
+  parameter it belongs to (jit propagates the parameter shardings into optax's init).
+* Experts on the mesh (expert-sharded FSDP). An MoE model's expert stacks (`moe`'s
+  experts_gate / experts_up [n, E, D, F], experts_down [n, E, F, D]) are split over `fsdp` on
+  the expert axis E when fsdp divides E: each device stores E / fsdp whole experts (and their
+  Adam moments); otherwise they fall back to the largest-dimension rule. The router [n, D, E]
+  follows the general rule (D for Qwen3-30B-A3B: 2048 > 128). This shards storage only: the
+  tokens are not sent to their experts' devices. Under jit the partitioner gathers each
+  layer's experts onto every device for the grouped `ragged_dot`, as it gathers any FSDP
+  weight, and reduce-scatters their gradient (docs/scale.md, "Experts on the mesh"). Expert
+  parallelism proper (all-to-all token dispatch under shard_map) is not built.
 * Per-trajectory slot arrays ([S]) are replicated: they are tiny.
 
 The update is a jitted function with these shardings; XLA inserts the collectives, so global
@@ -17,7 +27,10 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from fr_jax.models import decoder
+
 BATCH_AXES = ("data", "fsdp")
+EXPERT_WEIGHTS = ("experts_gate", "experts_up", "experts_down")  # under "moe": [n, E, ...]
 
 
 def make_mesh(data: int = 1, fsdp: int = 1, devices=None) -> jax.sharding.Mesh:
@@ -30,26 +43,36 @@ def make_mesh(data: int = 1, fsdp: int = 1, devices=None) -> jax.sharding.Mesh:
                        devices=devices[:n])
 
 
-def param_spec(shape, fsdp: int, stacked: bool) -> P:
-  """Shard the largest evenly divisible dim over fsdp (skipping a leading layer axis)."""
+def param_spec(shape, fsdp: int, stacked: bool, expert_axis: int | None = None) -> P:
+  """Shard `expert_axis` over fsdp when given and fsdp divides it; else the largest evenly
+  divisible dim (skipping a leading layer axis when `stacked`); else replicate."""
   if fsdp == 1 or len(shape) == 0:
     return P()
+  spec = [None] * len(shape)
+  if expert_axis is not None and shape[expert_axis] % fsdp == 0:
+    spec[expert_axis] = "fsdp"
+    return P(*spec)
   first = 1 if stacked else 0
   dims = sorted(range(first, len(shape)), key=lambda d: -shape[d])
   for d in dims:
     if shape[d] % fsdp == 0 and shape[d] >= fsdp:
-      spec = [None] * len(shape)
       spec[d] = "fsdp"
       return P(*spec)
   return P()
 
 
 def params_sharding(params, mesh):
+  """NamedShardings for a params tree, or any tree that holds one (the train state: its
+  optimizer moments sit under the same dict keys)."""
   fsdp = mesh.shape["fsdp"]
 
   def one(path, x):
-    stacked = any(getattr(k, "key", None) == "layers" for k in path)
-    return NamedSharding(mesh, param_spec(np.shape(x), fsdp, stacked))
+    keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+    stacked = any(k in decoder.STACKS for k in keys)
+    expert_axis = None
+    if "moe" in keys and keys[-1] in EXPERT_WEIGHTS:
+      expert_axis = 1 if stacked else 0
+    return NamedSharding(mesh, param_spec(np.shape(x), fsdp, stacked, expert_axis))
 
   return jax.tree_util.tree_map_with_path(one, params)
 

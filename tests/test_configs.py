@@ -8,6 +8,7 @@ import pkgutil
 import pytest
 
 import experiments.configs as configs_pkg
+import fr_jax.envs
 from fr_jax import config as rcfg
 
 NAMES = [m.name for m in pkgutil.iter_modules(configs_pkg.__path__) if not m.name.startswith("_")]
@@ -15,7 +16,7 @@ NAMES = [m.name for m in pkgutil.iter_modules(configs_pkg.__path__) if not m.nam
 
 def test_all_recipes_are_present():
   assert {"tiny_test", "cpu_default", "qwen25_math_1p5b", "r1_distill_1p5b_longcot",
-          "qwen25_7b_tool", "alfworld_like"} <= set(NAMES)
+          "qwen25_7b_tool", "alfworld_like", "qwen3_30b_a3b_tool"} <= set(NAMES)
 
 
 # The figures each config's docstring states (quoted), read by hand, as (what the config
@@ -34,6 +35,15 @@ DOCUMENTED = {
                     "two held-out evaluations": (lambda c: c.eval.every, 0)},  # start and end
     "qwen25_7b_tool": {"600 steps": (lambda c: c.max_updates, 600),
                        "8+ GPUs for the learner (fsdp)": (lambda c: c.mesh.fsdp >= 8, True)},
+    "qwen3_30b_a3b_tool": {"800 steps": (lambda c: c.max_updates, 800),
+                           "delta=1e-2": (lambda c: c.objective.delta, 1e-2),
+                           "lag about 8": (lambda c: c.max_policy_lag, 8),
+                           "102.4k rollouts (B=128 a step)": (
+                               lambda c: (c.batch_size * c.max_updates, c.batch_size),
+                               (102_400, 128)),
+                           "fsdp over 16": (lambda c: c.mesh.fsdp, 16),
+                           "router_aux_loss_coef=0": (
+                               lambda c: c.objective.router_aux_loss_coef, 0.0)},
     "qwen25_math_1p5b": {"2000 steps": (lambda c: c.max_updates, 2000),
                          "data=2 x fsdp=4": (lambda c: (c.mesh.data, c.mesh.fsdp), (2, 4)),
                          "8 GPUs": (lambda c: c.mesh.data * c.mesh.fsdp, 8)},
@@ -44,7 +54,8 @@ DOCUMENTED = {
     "tiny_test": {"5 updates": (lambda c: c.max_updates, 5)},
 }
 SCHEDULE = {"alfworld_like": 200, "cpu_agent": 30, "cpu_default": 48, "qwen25_7b_tool": 600,
-            "qwen25_math_1p5b": 2000, "r1_distill_1p5b_longcot": 6000, "tiny_test": 100}
+            "qwen25_math_1p5b": 2000, "r1_distill_1p5b_longcot": 6000, "tiny_test": 100,
+            "qwen3_30b_a3b_tool": 800}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -70,6 +81,11 @@ def test_paper_recipe_numbers():
   assert (r.objective.delta, r.max_policy_lag) == (5e-3, 4)
   assert t.objective.delta == 1e-3 and t.agent.max_turns > 1
   assert (a.batch_size, a.objective.delta, a.env.name) == (64, 1e-3, "textworld")
+  moe = get("qwen3_30b_a3b_tool")
+  assert (moe.objective.delta, moe.max_policy_lag, moe.service.lag_bound) == (1e-2, 8, 8)
+  assert moe.routing_replay and moe.objective.router_aux_loss_coef == 0.0
+  assert moe.model.compute_dtype == "bfloat16" and moe.rollout.engine == "sglang"
+  assert "python" in fr_jax.envs.make(moe.env.name).tools and moe.agent.max_turns > 1
 
 
 @pytest.mark.parametrize("field,value,error", [

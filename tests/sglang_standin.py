@@ -12,6 +12,16 @@ field of SGLang's request type at its default; those are accepted at exactly tho
 weight load (`loads`: version, path, time), so tests can see how a router spread requests and
 when each server switched weights.
 
+Routing replay (R3): with `enable_return_routed_experts=True` (SGLang's
+`--enable-return-routed-experts`; off by default, as there) a /generate with
+`return_routed_experts` answers with `meta_info.routed_experts` in SGLang 0.5.23's format:
+base64 of little-endian int32 [seqlen - 1 - start, layers, k] for positions
+start .. seqlen - 2, start = min(routed_experts_start_len, seqlen - 1), a row for every layer of
+`routing_config` with the dense layers' rows zero; a request aborted before it ran has no
+field. With the flag off the field is left out, silently, as SGLang does; `/server_info`
+reports the flag. The served model is dense, so the routing is MADE UP (`standin_routing`): a
+fixed function of the token, its position, the layer and the weight version that computed it.
+
 `PublishedWeights` stands in for the learner's side of the weight service: what
 `fr_jax.transport.server.serve` needs from a LearnerService for GetWeights and Heartbeat,
 over parameters published by hand (the weight relay's tests and benchmark).
@@ -19,6 +29,7 @@ over parameters published by hand (the weight relay's tests and benchmark).
 
 from __future__ import annotations
 
+import base64
 import json
 import threading
 import time
@@ -30,12 +41,13 @@ import numpy as np
 from safetensors import safe_open
 
 from fr_jax.models import decoder, hf_io, registry
-from fr_jax.models.config import from_hf_config
+from fr_jax.models.config import ModelConfig, from_hf_config
 from fr_jax.models.hf_io import CheckpointError
 from fr_jax.rollout.embedded import EmbeddedEngine
 from fr_jax.rollout.engine import Request
 
-GENERATE_KEYS = {"input_ids", "sampling_params", "return_logprob", "logprob_start_len", "rid"}
+GENERATE_KEYS = {"input_ids", "sampling_params", "return_logprob", "logprob_start_len", "rid",
+                 "return_routed_experts", "routed_experts_start_len"}
 SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "skip_special_tokens",
                  "no_stop_trim", "sampling_seed", "stop_token_ids", "stop"}
 # Fields of SGLang's GenerateReqInput that sglang-router 0.3.2 always sends, at these values.
@@ -44,17 +56,36 @@ ROUTER_DEFAULTS = {"model": None, "return_text_in_logprobs": False, "stream": Fa
                    "no_logs": False, "return_bytes": False, "return_entropy": False}
 
 
+def standin_routing(cfg: ModelConfig, tokens, positions, version: int) -> np.ndarray:
+  """The stand-in's MADE-UP routing, int32 [len(positions), cfg.num_layers, k]: at position i
+  a sparse layer `layer` picks experts (b + j) % E for j < k, b = (31 tokens[i] + 7 i +
+  13 layer + 101 version) % E; a dense layer's row is zeros (SGLang never writes it)."""
+  E, k = cfg.num_experts, cfg.num_experts_per_tok
+  out = np.zeros((len(positions), cfg.num_layers, k), np.int32)
+  for r, i in enumerate(positions):
+    for layer in cfg.moe_layers:
+      b = (31 * tokens[i] + 7 * i + 13 * layer + 101 * version) % E
+      out[r, layer] = [(b + j) % E for j in range(k)]
+  return out
+
+
 class _Pending:
   def __init__(self, req: Request):
     self.req, self.done, self.result = req, threading.Event(), None
+    self.ran = False  # taken into a batch (not aborted while queued)
 
 
 class StandInSGLang:
   def __init__(self, model: registry.LoadedModel, *, num_slots: int = 4, max_len: int = 256,
-               step_delay: float = 0.0, drop_before_load: bool = False):
+               step_delay: float = 0.0, drop_before_load: bool = False,
+               enable_return_routed_experts: bool = False,
+               routing_config: ModelConfig | None = None):
     self.engine = EmbeddedEngine(model.config, model.params, tokenizer=model.tokenizer,
                                  num_slots=num_slots, max_len=max_len)
     self.model_config = model.config
+    # R3: the server flag, and the MoE shape whose (made-up) routing is reported.
+    self.enable_return_routed_experts = enable_return_routed_experts
+    self.routing_config = routing_config
     # Free the old weights before reading the new ones (tensor by tensor), as SGLang
     # overwrites its own in place: two copies of a big model need not fit. A failed load then
     # leaves none.
@@ -95,8 +126,13 @@ class StandInSGLang:
           return
         batch, self.queue = self.queue, []
         self.running = batch
+        for p in batch:
+          p.ran = True
         self.abort_running = False
-      outs = self.engine.generate([p.req for p in batch], should_abort=self._tick)
+      try:
+        outs = self.engine.generate([p.req for p in batch], should_abort=self._tick)
+      except Exception as e:  # answered as HTTP 500, not a hang until the client's timeout
+        outs = [e] * len(batch)
       with self.cond:
         for p, c in zip(batch, outs):
           p.result = (c, self.engine.version)
@@ -129,19 +165,38 @@ class StandInSGLang:
                   stop_token_ids=tuple(sp.get("stop_token_ids", ())),
                   stop_strings=tuple(sp.get("stop", ())))
     req.check(self.model_config.vocab_size)
+    routed_start = None
+    if body.get("return_routed_experts"):  # SGLang checks the start, flag or not
+      routed_start = int(body.get("routed_experts_start_len", 0))
+      if not 0 <= routed_start <= len(req.prompt_ids):
+        raise ValueError(f"routed_experts_start_len={routed_start} outside "
+                         f"[0, {len(req.prompt_ids)}]")
     p = _Pending(req)
     with self.cond:
       self.queue.append(p)
       self.cond.notify_all()
     p.done.wait()
     c, version = p.result
+    if isinstance(c, Exception):
+      raise RuntimeError(f"the stand-in's engine failed: {type(c).__name__}: {c}") from c
     with self.cond:
       self.generated += 1
-    return {"text": None, "output_ids": c.token_ids, "meta_info": {
-        "id": req.request_id, "finish_reason": {"type": c.finish_reason},
-        "prompt_tokens": len(req.prompt_ids), "completion_tokens": len(c.token_ids),
-        "output_token_logprobs": [[lp, t, None] for lp, t in zip(c.logprobs, c.token_ids)],
-        "weight_version": str(c.versions[-1] if c.versions else version)}}
+    meta = {"id": req.request_id, "finish_reason": {"type": c.finish_reason},
+            "prompt_tokens": len(req.prompt_ids), "completion_tokens": len(c.token_ids),
+            "output_token_logprobs": [[lp, t, None] for lp, t in zip(c.logprobs, c.token_ids)],
+            "weight_version": str(c.versions[-1] if c.versions else version)}
+    if routed_start is not None and self.enable_return_routed_experts and p.ran:
+      seq = req.prompt_ids + c.token_ids
+      first = min(routed_start, len(seq) - 1)
+      ids = standin_routing(self.routing_config, seq, range(first, len(seq) - 1),
+                            c.versions[0] if c.versions else version)
+      meta["routed_experts"] = base64.b64encode(ids.astype("<i4").tobytes()).decode()
+    return {"text": None, "output_ids": c.token_ids, "meta_info": meta}
+
+  def server_info(self) -> dict:
+    """A few of the server arguments SGLang's /server_info lists (all of them, there)."""
+    return {"enable_return_routed_experts": self.enable_return_routed_experts,
+            "version": "stand-in", "max_total_num_tokens": self.engine.max_len}
 
   def pause(self, body: dict) -> dict:
     if body.get("mode", "abort") != "abort":
@@ -250,6 +305,8 @@ class StandInSGLang:
       def do_GET(self):
         if self.path == "/health":
           self._send(200, {})
+        elif self.path == "/server_info":
+          self._send(200, server.server_info())
         else:
           self._send(404, {"error": f"no route {self.path}"})
 
@@ -263,6 +320,8 @@ class StandInSGLang:
           self._send(200, fn(body))
         except (ValueError, KeyError, TypeError) as e:
           self._send(400, {"error": f"{type(e).__name__}: {e}"})
+        except RuntimeError as e:
+          self._send(500, {"error": str(e)})
 
     return Handler
 

@@ -4,7 +4,9 @@
   field the client starts sending cannot escape the check; the weight relay reaches SGLang
   only through the client.
 * Its `ast` parsing, on a small synthetic SGLang tree with deliberate gaps: each gap is
-  reported missing (hand-listed below, where it is missing from), everything else found.
+  reported missing (hand-listed below, where it is missing from), everything else found. A
+  contract struct that says it ignores unknown keys need not list a field; one that rejects
+  them (or says nothing) must.
 """
 
 import ast
@@ -106,6 +108,10 @@ SYNTHETIC = {
       return {"status": "ok"}
 
     app.add_api_route("/continue_generation", continue_generation, methods=["POST"])
+
+    @app.get("/server_info")
+    async def server_info():
+      return {**build_server_info(server_args), "version": __version__}
     """),
   chk.IO_STRUCT: _src("""
     @dataclass
@@ -114,6 +120,8 @@ SYNTHETIC = {
       input_ids: Optional[List[int]] = None
       sampling_params: Optional[Dict[str, Any]] = None
       return_logprob: bool = False
+      return_routed_experts: bool = False
+      routed_experts_start_len: int = 0
       rid: Optional[str] = field(default=None, kw_only=True)
 
     class BaseReq(msgspec.Struct, kw_only=True):
@@ -145,6 +153,8 @@ SYNTHETIC = {
       def handle(self, recv, i, state):
         meta_info = {"id": recv.rids[i], "finish_reason": recv.finished_reasons[i]}
         meta_info["output_token_logprobs"] = state.output_token_logprobs
+        if recv.routed_experts[i] is not None:
+          meta_info["routed_experts"] = recv.routed_experts[i]
         return {"text": state.text, "meta_info": meta_info}
 
       def detokenize_logprob_tokens(self, vals, idxs, decode_to_text):
@@ -176,13 +186,19 @@ SYNTHETIC = {
     class ServerArgs:
       weight_version: str = "default"
     """),
+  "sglang/srt/arg_groups/fields/exec_.py": _src("""
+    class ExecFeatures(msgspec.Struct):
+      enable_return_routed_experts: A[bool, "Enable returning routed experts."] = False
+    """),
   chk.CONTRACT: _src("""
     class GenerateRequest(msgspec.Struct, kw_only=True):
+      'sglang.api.v1.GenerateRequest: JSON object (unknown keys ignored).'
       rid: Optional[str] = None
       input_ids: Optional[List[int]] = None
       sampling_params: Optional[SamplingParams] = None
       return_logprob: Optional[bool] = None
       logprob_start_len: Optional[int] = None
+      routed_experts_start_len: int = 0
 
     class SamplingParams(msgspec.Struct, kw_only=True):
       max_new_tokens: Optional[int] = 128
@@ -198,6 +214,7 @@ SYNTHETIC = {
       meta_info: Optional[GenerateMetaInfo] = None
 
     class GenerateMetaInfo(msgspec.Struct, kw_only=True):
+      'sglang.api.v1.GenerateMetaInfo: JSON object (unknown keys ignored).'
       finish_reason: Optional[Any] = None
       output_token_logprobs: Optional[List[Any]] = None
       weight_version: Optional[str] = None
@@ -244,7 +261,33 @@ def test_synthetic_tree_reports_exactly_its_gaps():
   assert records["logprob_entry", "/generate", "logprob=0"]["found_in"] == [
       f"{chk.MANAGERS}*.py:detokenize_logprob_tokens"]
   assert records["route", "/continue_generation", "POST"]["ok"]  # add_api_route
+  # Not in the contract's GenerateRequest / GenerateMetaInfo, which ignore unknown keys.
+  assert records["request", "/generate", "return_routed_experts"]["found_in"] == [
+      IO + "GenerateReqInput", f"{chk.CONTRACT}:GenerateRequest (ignores unknown keys)"]
+  assert records["meta_info", "/generate", "routed_experts"]["found_in"] == [
+      f"{chk.MANAGERS}*.py", f"{chk.CONTRACT}:GenerateMetaInfo (ignores unknown keys)"]
+  assert records["request", "/generate", "routed_experts_start_len"]["found_in"] == [
+      IO + "GenerateReqInput", f"{chk.CONTRACT}:GenerateRequest"]
+  assert records["server_arg", "/server_info", "enable_return_routed_experts"]["ok"]
   assert records["route", "/health", "GET"]["ok"]  # a stacked decorator
+
+
+def test_a_contract_struct_that_rejects_unknown_keys_must_list_the_field():
+  sources = dict(SYNTHETIC)
+  sources[chk.CONTRACT] = sources[chk.CONTRACT].replace(
+      "GenerateRequest: JSON object (unknown keys ignored)",
+      "GenerateRequest: JSON object (unknown keys rejected)")
+  records = by_use(chk.check(sources))
+  assert records["request", "/generate", "return_routed_experts"]["missing_in"] == [
+      f"{chk.CONTRACT}:GenerateRequest"]
+  assert records["request", "/generate", "input_ids"]["ok"]
+
+
+def test_a_server_argument_not_declared_is_missing():
+  sources = {p: t for p, t in SYNTHETIC.items() if "arg_groups" not in p}
+  records = by_use(chk.check(sources))
+  assert records["server_arg", "/server_info", "enable_return_routed_experts"]["missing_in"] == [
+      f"{chk.SERVER_ARGS[0]} or {chk.SERVER_ARGS[1]}"]
 
 
 def test_without_the_contract_only_sglangs_own_source_counts():

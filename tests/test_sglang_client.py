@@ -8,13 +8,22 @@ side of the network boundary is played by STAND-INS, named as such:
 * `StandInSGLang` (tests/sglang_standin.py), the API subset backed by the embedded engine.
   Its log-probs are checked two-sided against teacher-forced scoring of prompt + completion
   by a plain forward pass (`decoder.forward`, as tests/test_engine.py does).
+
+Routing replay (R3): recorded answers in SGLang 0.5.23's routed-experts format
+(tests/fixtures/sglang_routed_experts_answers.json) are decoded and checked against arrays
+written out here; the stand-in's made-up routing is checked against this file's own copy of
+its formula (`made_up_routing`), across an abort and resume.
 """
 
+import base64
 import json
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -22,6 +31,7 @@ import numpy as np
 import pytest
 
 from fr_jax.models import registry
+from fr_jax.models.config import ModelConfig
 from fr_jax.models.hf_io import save_hf
 from fr_jax.rollout.engine import Request
 from fr_jax.rollout.sglang import Reason, SGLangEngine, SGLangError
@@ -30,6 +40,12 @@ from tests.test_engine import teacher_forced
 
 ANSWERS = json.loads((Path(__file__).parent / "fixtures/sglang_generate_answers.json")
                      .read_text())
+R3 = json.loads((Path(__file__).parent / "fixtures/sglang_routed_experts_answers.json")
+                .read_text())
+# The fixture's model: 3 layers, layer 0 dense, k = 2 of 8 experts (moe_layers = (1, 2)).
+MOE = ModelConfig(family="qwen3_moe", vocab_size=256, hidden_size=64, intermediate_size=96,
+                  num_layers=3, num_heads=4, num_kv_heads=1, head_dim=32, num_experts=8,
+                  num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=(0,))
 
 
 class FarSide:
@@ -287,3 +303,213 @@ def test_stand_in_rejects_unknown_fields_with_http_400(served):
     client._call("/generate", {"input_ids": [1], "sampling_params": {"bogus": 1},
                                "return_logprob": True})
   assert e.value.reason is Reason.HTTP_STATUS
+
+
+# --- routing replay (R3) ---
+def b64_int32(rows):
+  return base64.b64encode(np.asarray(rows, "<i4").tobytes()).decode()
+
+
+def with_routing(answer, field):
+  return answer | {"meta_info": {**answer["meta_info"], "routed_experts": field}}
+
+
+# The fixture's sparse-layer rows ([positions, layers 1 and 2, k]), written out by hand.
+LENGTH_START_0 = [[[3, 5], [7, 1]], [[2, 6], [4, 0]], [[5, 3], [1, 7]], [[6, 2], [0, 4]]]
+ABORT_PARTIAL = [[[1, 2], [3, 4]], [[5, 6], [7, 0]], [[2, 1], [4, 3]]]  # positions 1, 2, 3
+RESUMED = [[[7, 6], [5, 4]], [[3, 2], [1, 0]], [[6, 7], [0, 1]]]  # positions 4, 5, 6
+
+
+def test_parses_routed_experts_value_by_value():
+  client = SGLangEngine("http://127.0.0.1:9", model_config=MOE)
+  try:
+    got = client.parse_routing(R3["routed_length_start_0"], 4)
+    assert got.dtype == np.int8 and got.shape == (4, 2, 2)  # 8 experts: int8
+    np.testing.assert_array_equal(got, LENGTH_START_0)
+    np.testing.assert_array_equal(client.parse_routing(R3["routed_abort_partial_version_3"], 3),
+                                  ABORT_PARTIAL)
+    empty = client.parse_routing(R3["routed_stop_empty_piece"], 0)  # "" = no positions
+    assert empty.shape == (0, 2, 2) and empty.dtype == np.int8
+  finally:
+    client.close()
+  # 300 experts: int16; every layer sparse, so every row is kept.
+  wide = MOE.replace(num_experts=300, mlp_only_layers=(), num_layers=2)
+  client = SGLangEngine("http://127.0.0.1:9", model_config=wide)
+  try:
+    answer = {"meta_info": {"routed_experts": b64_int32([[[299, 7], [128, 0]]])}}
+    got = client.parse_routing(answer, 1)
+    assert got.dtype == np.int16
+    np.testing.assert_array_equal(got, [[[299, 7], [128, 0]]])
+  finally:
+    client.close()
+
+
+def test_routing_over_http_honours_the_start_and_resumes_exactly():
+  far = FarSide([R3["routed_length_start_0"], R3["routed_abort_partial_version_3"],
+                 R3["routed_abort_in_queue_version_4"], R3["routed_resumed_length_version_4"],
+                 R3["routed_stop_empty_piece"]])
+  client = SGLangEngine(far.url, version=2, max_concurrency=1, model_config=MOE)
+  try:
+    a, = client.generate([req("q-r3", [1, 4438, 374], 2, routed_experts_start=0)])
+    assert a.token_ids == [220, 717] and a.versions == [2, 2]
+    assert a.routed_experts.dtype == np.int8
+    np.testing.assert_array_equal(a.routed_experts, LENGTH_START_0)  # positions 0 .. 3
+    # Aborted after 2 tokens (version 3), aborted again in the queue, then finished under
+    # version 4: positions 1 .. 6 once; position 4 (token 65, the first piece's last) was
+    # first fed by the resumed request, so its row comes from there.
+    b, = client.generate([req("q-r3-resume", [9, 10, 11], 5, routed_experts_start=1)])
+    assert b.token_ids == [370, 65, 66, 67, 68] and b.versions == [3, 3, 4, 4, 4]
+    assert b.finish_reason == "length"
+    assert b.routed_experts.shape == (3 + 5 - 1 - 1, 2, 2)
+    np.testing.assert_array_equal(b.routed_experts, ABORT_PARTIAL + RESUMED)
+    # Starting at the prompt's end with one token: no position to report.
+    c, = client.generate([req("q-r3-empty", [5, 6], 4, routed_experts_start=2)])
+    assert c.token_ids == [2] and c.routed_experts.shape == (0, 2, 2)
+    bodies = [body for _, body, _ in far.calls]
+    assert [b["routed_experts_start_len"] for b in bodies] == [0, 1, 4, 4, 2]
+    assert all(b["return_routed_experts"] is True for b in bodies)
+    assert [b["input_ids"] for b in bodies[1:4]] == [[9, 10, 11], [9, 10, 11, 370, 65],
+                                                     [9, 10, 11, 370, 65]]
+  finally:
+    client.close()
+    far.close()
+
+
+def test_no_routing_fields_without_routing_replay():
+  body = SGLangEngine.payload(req("q", [1, 2], 4), [1, 2], 4)
+  assert "return_routed_experts" not in body and "routed_experts_start_len" not in body
+
+
+def test_a_server_without_routing_is_refused_naming_the_flag():
+  # The answer has no routed_experts (a server without the flag): refused, never trained on.
+  far = FarSide([ANSWERS["length_no_weight_version"]])
+  client = SGLangEngine(far.url, model_config=MOE)
+  try:
+    with pytest.raises(SGLangError, match="no meta_info.routed_experts.*"
+                       "--enable-return-routed-experts") as e:
+      client.generate([req("q-length", [1, 4438, 374, 220, 16], 4, routed_experts_start=0)])
+    assert e.value.reason is Reason.NO_ROUTING
+  finally:
+    client.close()
+    far.close()
+  # Without the model's config the client cannot tell the sparse layers' rows: refused.
+  client = SGLangEngine("http://127.0.0.1:9")
+  try:
+    with pytest.raises(ValueError, match="model_config"):
+      client.generate([req("q", [1, 2], 4, routed_experts_start=0)])
+  finally:
+    client.close()
+
+
+@pytest.mark.parametrize("field,match", [
+    ("@@not base64@@", "not base64"),
+    (b64_int32([[[0, 0], [3, 5], [7, 1]]] * 3), "holds 72 bytes; expected int32 .4 positions"),
+    (b64_int32([[[0, 0], [3, 5], [7, 8]]] * 4), r"expert ids in \[3, 8\].*8 experts"),
+    (b64_int32([[[0, 0], [3, -1], [7, 1]]] * 4), r"expert ids in \[-1, 7\]"),
+    ([[[0, 0], [3, 5], [7, 1]]] * 4, "not base64"),  # a list, not SGLang's encoding
+])
+def test_a_malformed_routed_experts_field_is_a_bad_answer(field, match):
+  far = FarSide([with_routing(R3["routed_length_start_0"], field)])
+  client = SGLangEngine(far.url, model_config=MOE)
+  try:
+    with pytest.raises(SGLangError, match=match) as e:
+      client.generate([req("q-r3", [1, 4438, 374], 2, routed_experts_start=0)])
+    assert e.value.reason is Reason.BAD_ANSWER
+  finally:
+    client.close()
+    far.close()
+
+
+@pytest.fixture()
+def served_r3():
+  model = registry.load("tiny-llama", seed=31)
+  server = StandInSGLang(model, num_slots=4, max_len=256, enable_return_routed_experts=True,
+                         routing_config=MOE)
+  client = SGLangEngine(server.url, model_config=MOE)
+  yield model, server, client
+  client.close()
+  server.close()
+
+
+def made_up_routing(seq, positions, version):
+  """This test's own copy of the stand-in's made-up routing (tests/sglang_standin.py), on the
+  sparse layers 1 and 2 only: experts (b + j) % 8, b = (31 token + 7 i + 13 layer +
+  101 version) % 8."""
+  return [[[(31 * seq[i] + 7 * i + 13 * layer + 101 * version + j) % 8 for j in range(2)]
+           for layer in (1, 2)] for i in positions]
+
+
+def test_stand_in_refuses_routing_up_front_when_the_flag_is_off(served_r3):
+  model, server, client = served_r3
+  server.enable_return_routed_experts = False
+  with pytest.raises(SGLangError, match="/server_info: .* enable_return_routed_experts=false.*"
+                     "--enable-return-routed-experts") as e:
+    client.generate([req("q", [1, 2, 3], 4, routed_experts_start=0)])
+  assert e.value.reason is Reason.NO_ROUTING
+  assert not [p for p, _ in server.log if p == "/generate"]  # refused before generating
+
+
+def test_stand_in_routing_across_a_weight_update_keeps_each_pieces_experts(served_r3, tmp_path):
+  model, server, client = served_r3
+  server.step_delay = 0.01
+  new = registry.load("tiny-llama", seed=33)
+  save_hf(tmp_path / "v1", new.params, new.config)
+  r = Request("long", [1, 2, 3], max_new_tokens=120, temperature=1.0, seed=4,
+              routed_experts_start=1)
+  out = []
+  t = threading.Thread(target=lambda: out.append(client.generate([r])[0]))
+  t.start()
+  while server.steps < 20:
+    time.sleep(0.01)
+  client.update_weights(tmp_path / "v1", 1)
+  t.join(60)
+  (c,) = out
+  assert len(c.token_ids) == 120 and c.finish_reason == "length"
+  k = c.versions.index(1)
+  assert 0 < k < 120 and c.versions == [0] * k + [1] * (120 - k)
+  seq = [1, 2, 3] + c.token_ids
+  # Positions 1 .. 3 + 120 - 2: those up to the first piece's last token's input under
+  # version 0; from that token (fed first by the resumed request) on, version 1.
+  cut = 3 + k - 1
+  expected = made_up_routing(seq, range(1, cut), 0) + made_up_routing(seq, range(cut, 122), 1)
+  assert c.routed_experts.dtype == np.int8 and c.routed_experts.shape == (121, 2, 2)
+  np.testing.assert_array_equal(c.routed_experts, expected)
+  gens = [b for p, b in server.log if p == "/generate"]
+  assert [g["routed_experts_start_len"] for g in gens] == [1, cut]
+
+
+def test_the_real_sglang_router_drops_routing_and_is_refused(served_r3, tmp_path):
+  """sglang-router 0.3.2 re-serialises /generate with its own request type, which has no
+  return_routed_experts: routing replay cannot go through it, and the client says so."""
+  model, server, _ = served_r3
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  router = subprocess.Popen(
+      [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", server.url,
+       "--host", "127.0.0.1", "--port", str(port), "--log-level", "warn"],
+      stdout=open(tmp_path / "router.log", "w"), stderr=subprocess.STDOUT)
+  url = f"http://127.0.0.1:{port}"
+  client = SGLangEngine(url, timeout=60, model_config=MOE)
+
+  def ready():
+    try:
+      with urllib.request.urlopen(url + "/workers", timeout=2) as r:
+        return json.loads(r.read())["total"] == 1
+    except OSError:
+      return False
+
+  try:
+    t_end = time.monotonic() + 60
+    while not ready():
+      assert router.poll() is None and time.monotonic() < t_end, "the router did not start"
+      time.sleep(0.1)
+    with pytest.raises(SGLangError, match="sglang-router 0.3.2") as e:
+      client.generate([req("q", [1, 2, 3], 3, routed_experts_start=0)])
+    assert e.value.reason is Reason.NO_ROUTING
+    (path, body), = [x for x in server.log if x[0] == "/generate"]
+    assert "return_routed_experts" not in body and "routed_experts_start_len" not in body
+  finally:
+    client.close()
+    router.terminate()
+    router.wait(30)

@@ -38,8 +38,23 @@ retried (urllib3's `Retry`: up to `retries` more attempts, after 0, 2b, 4b, ... 
   working on it; a resend would start a second copy of a long generation.
 * An HTTP error status: not retried; it is the server's answer.
 
+Routing replay (R3, mixture-of-experts models). A request with `routed_experts_start = s` is
+sent with `return_routed_experts: true` and `routed_experts_start_len: s`. SGLang 0.5.23 answers
+with `meta_info.routed_experts`: base64 of a little-endian int32 array [seqlen - 1 - s, layers,
+k] for positions s .. seqlen - 2 (seqlen = prompt + output tokens), with a row for every layer
+of the model (`num_hidden_layers`), dense layers included: their rows are never written, so
+they read as zeros. The client keeps the rows of `model_config.moe_layers`, in the config's
+`routing_dtype`. SGLang returns routing only when launched with
+`--enable-return-routed-experts`; without the flag it silently leaves the field out, so the
+client refuses (`Reason.NO_ROUTING`) when `/server_info` reports the flag off, and when an
+answer that must carry the field does not. A resumed request asks from the first position that
+has no routing yet, so every position keeps the routing of the pass that computed it (the
+tokens of each policy version keep their own experts) and the completion covers
+s .. prompt + tokens - 2 exactly once. sglang-router 0.3.2 drops `return_routed_experts` from
+the requests it forwards, so routing replay must talk to a server, not the router.
+
 Every failure raises `SGLangError`, which names the route and what came back and carries a
-`Reason`: `UNREACHABLE`, `TIMEOUT`, `HTTP_STATUS`, `BAD_ANSWER` or `REFUSED`.
+`Reason`: `UNREACHABLE`, `TIMEOUT`, `HTTP_STATUS`, `BAD_ANSWER`, `REFUSED` or `NO_ROUTING`.
 
 SGLang needs CUDA and cannot run here. The client is tested against answers written in the
 shape SGLang 0.5.23 builds (served by a local stand-in for the far side), against a stand-in
@@ -49,6 +64,7 @@ and behind the real sglang-router (`tests/test_weight_relay.py`).
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures as cf
 import enum
 import json
@@ -56,12 +72,18 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import requests
 from requests.adapters import HTTPAdapter
 from urllib3.exceptions import MaxRetryError, ReadTimeoutError
 from urllib3.util.retry import Retry
 
+from fr_jax.models.config import ModelConfig
 from fr_jax.rollout.engine import Completion, Request
+
+# The server flag without which SGLang 0.5.23 returns no routed experts (it then leaves
+# meta_info.routed_experts out without an error).
+R3_FLAG = "--enable-return-routed-experts"
 
 
 class Reason(enum.Enum):
@@ -71,6 +93,7 @@ class Reason(enum.Enum):
   HTTP_STATUS = enum.auto()  # the server answered with an HTTP error status
   BAD_ANSWER = enum.auto()   # the answer is not JSON, or not the shape this client reads
   REFUSED = enum.auto()      # the server answered but did not do it (success false)
+  NO_ROUTING = enum.auto()   # routing replay asked for, but the server does not return it
 
 
 class SGLangError(RuntimeError):
@@ -106,7 +129,9 @@ class SGLangEngine:
   def __init__(self, base_url: str, *, timeout: float = 600.0, connect_timeout: float = 10.0,
                max_concurrency: int = 64, api_key: str | None = None,
                max_resumes: int = 8, version: int = 0, retries: int = 4,
-               backoff: float = 1.0):
+               backoff: float = 1.0, model_config: ModelConfig | None = None):
+    """`model_config`: the served model's, needed for routing replay only (which of SGLang's
+    per-layer rows are the sparse layers', k, and the compact dtype)."""
     if not (timeout > 0 and connect_timeout > 0):
       raise ValueError(f"timeout={timeout}, connect_timeout={connect_timeout}: both must be "
                        "positive seconds")
@@ -120,6 +145,8 @@ class SGLangEngine:
     self.max_resumes = max_resumes
     self.version = version
     self.retries = retries
+    self.model_config = model_config
+    self._routing_checked = False  # /server_info said the R3 flag is on, or did not say
     self._pool = cf.ThreadPoolExecutor(max_workers=max_concurrency,
                                        thread_name_prefix="sglang")
     self._lock = threading.Lock()
@@ -172,15 +199,20 @@ class SGLangEngine:
 
   # --- generation ---
   @staticmethod
-  def payload(r: Request, prompt_ids, max_new: int) -> dict:
+  def payload(r: Request, prompt_ids, max_new: int, routed_start: int | None = None) -> dict:
+    """The /generate body; `routed_start` (not None) asks for the routed experts of positions
+    routed_start .. (SGLang requires 0 <= routed_start <= len(prompt_ids))."""
     sp = {"max_new_tokens": max_new, "temperature": r.temperature, "top_p": r.top_p,
           "skip_special_tokens": False, "no_stop_trim": True, "sampling_seed": r.seed}
     if r.stop_token_ids:
       sp["stop_token_ids"] = list(r.stop_token_ids)
     if r.stop_strings:
       sp["stop"] = list(r.stop_strings)
-    return {"input_ids": list(prompt_ids), "sampling_params": sp, "return_logprob": True,
+    body = {"input_ids": list(prompt_ids), "sampling_params": sp, "return_logprob": True,
             "logprob_start_len": -1, "rid": r.request_id}
+    if routed_start is not None:
+      body |= {"return_routed_experts": True, "routed_experts_start_len": routed_start}
+    return body
 
   @staticmethod
   def parse(answer: dict) -> tuple[list[int], list[float], str, int | None]:
@@ -209,15 +241,89 @@ class SGLangEngine:
                         "loads weights with weight_version=str(version))",
                         Reason.BAD_ANSWER) from None
 
+  def parse_routing(self, answer: dict, n: int) -> np.ndarray:
+    """The routed experts of one /generate answer that must cover `n` positions: int
+    [n, sparse layers, k] in `model_config.routing_dtype`. SGLang sends a row per layer
+    (`num_hidden_layers`); a dense layer's row is unused (zeros), and only the rows of
+    `model_config.moe_layers` are kept."""
+    cfg = self._routing_config()
+    meta = answer.get("meta_info") if isinstance(answer, dict) else None
+    field = meta.get("routed_experts") if isinstance(meta, dict) else None
+    if field is None:
+      raise SGLangError(
+          f"/generate: the answer has no meta_info.routed_experts, but the request asked for "
+          f"them (return_routed_experts): launch the SGLang server with {R3_FLAG} (without it "
+          "SGLang leaves the field out silently), and send /generate to the server, not "
+          "through a gateway that drops the request's return_routed_experts (sglang-router "
+          "0.3.2 does)", Reason.NO_ROUTING)
+    try:
+      raw = base64.b64decode(field, validate=True)
+    except (TypeError, ValueError) as e:  # binascii.Error is a ValueError
+      raise SGLangError(f"/generate: meta_info.routed_experts is not base64 ({e}): "
+                        f"{str(field)[:100]!r}", Reason.BAD_ANSWER) from None
+    layers, k = cfg.num_layers, cfg.num_experts_per_tok
+    if len(raw) != n * layers * k * 4:
+      raise SGLangError(
+          f"/generate: meta_info.routed_experts holds {len(raw)} bytes; expected int32 "
+          f"[{n} positions, {layers} layers, k={k}] = {n * layers * k * 4} bytes (is the "
+          "server serving this model_config's model?)", Reason.BAD_ANSWER)
+    ids = np.frombuffer(raw, "<i4").reshape(n, layers, k)[:, list(cfg.moe_layers)]
+    if ids.size and (ids.min() < 0 or ids.max() >= cfg.num_experts):
+      raise SGLangError(f"/generate: meta_info.routed_experts has expert ids in "
+                        f"[{ids.min()}, {ids.max()}] on the sparse layers; the model has "
+                        f"{cfg.num_experts} experts", Reason.BAD_ANSWER)
+    return ids.astype(cfg.routing_dtype)
+
+  def _routing_config(self) -> ModelConfig:
+    cfg = self.model_config
+    if cfg is None or not cfg.is_moe:
+      raise ValueError(
+          "routing replay (Request.routed_experts_start) needs SGLangEngine(model_config=...) "
+          "of a mixture-of-experts model: SGLang returns a row per layer, and the client keeps "
+          f"the sparse layers' rows (ModelConfig.moe_layers); got model_config="
+          f"{None if cfg is None else cfg.family}")
+    return cfg
+
+  def check_routing_support(self) -> None:
+    """Refuses routing replay up front when the server reports the R3 flag off. /server_info
+    lists every server argument in SGLang 0.5.23; where it is missing or says nothing (a
+    gateway), every answer is checked instead (`parse_routing`)."""
+    self._routing_config()
+    if self._routing_checked:
+      return
+    try:
+      info = self._call("/server_info", method="GET")
+    except SGLangError as e:
+      if e.reason is not Reason.HTTP_STATUS:
+        raise
+      info = {}  # no such route here (a gateway): the answers will tell
+    if isinstance(info, dict) and info.get("enable_return_routed_experts") is False:
+      raise SGLangError(f"/server_info: {self.base_url} runs with enable_return_routed_experts="
+                        f"false, so it returns no routed experts: relaunch it with {R3_FLAG}, "
+                        "or turn routing replay off", Reason.NO_ROUTING)
+    self._routing_checked = True
+
   def _one(self, r: Request, should_abort) -> Completion:
     r.check()
     t0 = time.perf_counter()
     ids, lps, versions, ttft = [], [], [], 0.0
     reason = "abort"
+    # Routing replay: the routing of positions [start, known) is in `routed`, piece by piece.
+    start = known = r.routed_experts_start
+    routed = []
     for _ in range(self.max_resumes + 1):
-      answer = self._call("/generate", self.payload(r, r.prompt_ids + ids,
-                                                    r.max_new_tokens - len(ids)))
+      prompt = r.prompt_ids + ids
+      answer = self._call("/generate", self.payload(r, prompt, r.max_new_tokens - len(ids),
+                                                    known))
       new_ids, new_lps, reason, wv = self.parse(answer)
+      ran = new_ids or reason != "abort" or "routed_experts" in answer["meta_info"]
+      if start is not None and ran:
+        # SGLang reports positions [known, seqlen - 1): the inputs of this piece from the first
+        # one without routing (the previous piece's last token, fed only now). A request
+        # aborted before it ran (in the queue, mid chunked prefill) has no tokens and no field.
+        n = max(0, len(prompt) + len(new_ids) - 1 - known)
+        routed.append(self.parse_routing(answer, n))
+        known += n
       if new_ids and not ids:
         ttft = time.perf_counter() - t0
       ids += new_ids
@@ -229,10 +335,20 @@ class SGLangEngine:
         break
     if reason == "abort" and len(ids) >= r.max_new_tokens:
       reason = "length"
-    return Completion(r.request_id, ids, lps, reason, versions, len(r.prompt_ids), ttft)
+    c = Completion(r.request_id, ids, lps, reason, versions, len(r.prompt_ids), ttft)
+    if start is not None:
+      cfg = self._routing_config()
+      c.routed_experts = (np.concatenate(routed) if routed else
+                          np.zeros((0, *cfg.routing_shape), cfg.routing_dtype))
+      # Positions start .. prompt + tokens - 2, each once; the one exception is a completion
+      # without tokens whose every piece was aborted before it ran (nothing to train on).
+      assert not ids or known == len(r.prompt_ids) + len(ids) - 1, (known, len(ids))
+    return c
 
   def generate(self, requests: Sequence[Request],
                should_abort: Callable[[], bool] | None = None) -> list[Completion]:
+    if any(r.routed_experts_start is not None for r in requests):
+      self.check_routing_support()
     futures = [self._pool.submit(self._one, r, should_abort) for r in requests]
     if should_abort is not None:
       while not all(f.done() for f in futures):

@@ -19,6 +19,9 @@ f16, 1-D f32).
 
 llama.cpp stores Llama q/k rows interleaved for its rope kernel: per head, HF row
 (j, half h) goes to row 2j + h. Qwen2/Qwen3 GGUFs use the NeoX layout and are not permuted.
+
+Qwen3-MoE (llama.cpp's `qwen3moe`, experts stacked in `ffn_*_exps` tensors) is refused both
+ways with one line that points to the Hugging Face format.
 """
 
 from __future__ import annotations
@@ -85,8 +88,15 @@ def _field(reader, key, default=None):
   return default if f is None else f.contents()
 
 
+_MOE_REFUSAL = ("llama.cpp's qwen3moe GGUF tensor layout (stacked ffn_*_exps experts) is not "
+                 "supported here")
+
+
 def config_from_gguf(reader, **overrides) -> ModelConfig:
   arch = _field(reader, "general.architecture")
+  if arch == "qwen3moe":
+    raise CheckpointError(f"GGUF architecture 'qwen3moe': {_MOE_REFUSAL}; import the Hugging "
+                          "Face checkpoint (hf:DIR) instead")
   if arch not in _ARCH_FAMILY:
     raise CheckpointError(f"GGUF architecture {arch!r} is not supported ({sorted(_ARCH_FAMILY)})")
   if any(t.name == "rope_freqs.weight" for t in reader.tensors):
@@ -183,6 +193,8 @@ def _encode(a: np.ndarray, qtype) -> np.ndarray:
 
 def check_gguf_exportable(cfg: ModelConfig) -> None:
   """Raises CheckpointError for what `load_gguf` (and so this writer) cannot represent."""
+  if cfg.is_moe:
+    raise CheckpointError(f"family {cfg.family!r}: {_MOE_REFUSAL}; export --format=hf")
   if cfg.family not in _ARCH_FAMILY.values():
     raise CheckpointError(f"family {cfg.family!r} has no GGUF architecture here "
                           f"({sorted(_ARCH_FAMILY)}); export --format=hf")

@@ -3,12 +3,23 @@ included) and export one that transformers and SGLang (`update_weights_from_disk
 
 HF stores linear weights as [out, in]; fr_jax stores [in, out] with layers stacked on a
 leading axis. Embeddings and the LM head are [vocab, hidden] in both.
+
+Qwen3-MoE. A sparse layer i has its router at `model.layers.{i}.mlp.gate.weight` [E, D] and
+each expert's SwiGLU at `model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight`
+([F, D], [F, D], [D, F]): the released checkpoints' layout (Qwen/Qwen3-30B-A3B), and what
+transformers 5's `save_pretrained` writes too. Its dense layers (mlp_only_layers,
+decoder_sparse_step) keep `mlp.{gate,up,down}_proj`. Export writes that layout; import also
+reads transformers 5's in-memory fused experts (`mlp.experts.gate_up_proj` [E, 2F, D], gate
+rows first, and `mlp.experts.down_proj` [E, D, F]). fr_jax keeps each kind stacked over the
+sparse layers and experts (`params["moe"]`, see `fr_jax.models.decoder`), so import fills
+one preallocated array per kind, reading one tensor at a time from the memory-mapped files.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import ml_dtypes
@@ -42,6 +53,11 @@ _LAYER_NAMES = {
 }
 _TOP_NAMES = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
               "lm_head": "lm_head.weight"}
+# Qwen3-MoE, under model.layers.{i}.mlp.: the router, and each expert's projections (under
+# experts.{e}.; all transposed).
+_ROUTER_NAME = "gate.weight"
+_EXPERT_NAMES = {"experts_gate": "gate_proj.weight", "experts_up": "up_proj.weight",
+                 "experts_down": "down_proj.weight"}
 
 
 class CheckpointError(ValueError):
@@ -66,13 +82,34 @@ def _weight_files(path: Path) -> list[Path]:
   return files
 
 
-def _read_tensors(files: list[Path]) -> dict[str, np.ndarray]:
-  out = {}
-  for f in files:
-    with safe_open(str(f), framework="numpy") as st:
-      for k in st.keys():
-        out[k] = st.get_tensor(k)
-  return out
+class _Tensors(Mapping):
+  """The tensors of safetensors files by name, each read from its (memory-mapped) file when
+  asked for, so an import holds one source tensor at a time beside the params it fills."""
+
+  def __init__(self, files: list[Path]):
+    self._file = {}
+    for f in files:
+      try:
+        handle = safe_open(str(f), framework="numpy")
+      except Exception as e:  # safetensors raises its own error types for a bad file
+        raise CheckpointError(f"{f} is not a readable safetensors file: {e}") from e
+      self._file.update(dict.fromkeys(handle.keys(), handle))
+
+  def __getitem__(self, name: str) -> np.ndarray:
+    return self._file[name].get_tensor(name)
+
+  def __contains__(self, name) -> bool:
+    return name in self._file
+
+  def __iter__(self):
+    return iter(self._file)
+
+  def __len__(self) -> int:
+    return len(self._file)
+
+  def dtype(self, name: str) -> str:
+    """The stored dtype's safetensors name (F32, BF16, ...), without reading the tensor."""
+    return self._file[name].get_slice(name).get_dtype()
 
 
 def load_hf(path, *, param_dtype: str | None = None, compute_dtype: str | None = None):
@@ -83,7 +120,7 @@ def load_hf(path, *, param_dtype: str | None = None, compute_dtype: str | None =
     raise CheckpointError(f"{cfg_file} not found: a Hugging Face model directory needs "
                           "config.json and *.safetensors")
   hf = json.loads(cfg_file.read_text())
-  tensors = _read_tensors(_weight_files(path))
+  tensors = _Tensors(_weight_files(path))
   dtype_name = param_dtype or _dtype_of(tensors)
   overrides = {"param_dtype": dtype_name}
   if compute_dtype:
@@ -94,43 +131,77 @@ def load_hf(path, *, param_dtype: str | None = None, compute_dtype: str | None =
   return cfg, params_from_hf_tensors(tensors, cfg, source=str(path))
 
 
-def _dtype_of(tensors) -> str:
-  d = tensors["model.embed_tokens.weight"].dtype if "model.embed_tokens.weight" in tensors \
-      else next(iter(tensors.values())).dtype
-  return "bfloat16" if d == ml_dtypes.bfloat16 else "float32"
+def _dtype_of(tensors: _Tensors) -> str:
+  name = "model.embed_tokens.weight"
+  d = tensors.dtype(name if name in tensors else next(iter(tensors)))
+  return "bfloat16" if d == "BF16" else "float32"
 
 
-def params_from_hf_tensors(tensors: dict[str, np.ndarray], cfg: ModelConfig, source=""):
-  """HF-named tensors -> fr_jax params (NumPy, cfg.param_dtype)."""
+def params_from_hf_tensors(tensors: Mapping[str, np.ndarray], cfg: ModelConfig, source=""):
+  """HF-named tensors -> fr_jax params (NumPy, cfg.param_dtype). Each stacked parameter is
+  one array allocated up front and filled a tensor at a time (no list of copies to stack)."""
   dtype = _np_dtype(cfg.param_dtype)
   shapes = decoder.param_shapes(cfg)
 
   def take(name, shape, transpose):
+    """Tensor `name` in fr_jax's layout (its last two axes swapped if `transpose`), checked
+    against `shape`; a view where it can be."""
+    shape = tuple(shape)
     if name not in tensors:
+      hf_shape = (*shape[:-2], shape[-1], shape[-2]) if transpose else shape
       raise CheckpointError(f"{source}: tensor {name!r} is missing (expected shape "
-                            f"{tuple(reversed(shape)) if transpose else shape})")
+                            f"{hf_shape})")
     a = np.asarray(tensors[name])
-    a = a.T if transpose else a
-    if a.shape != tuple(shape):
+    a = np.swapaxes(a, -1, -2) if transpose else a
+    if a.shape != shape:
       raise CheckpointError(f"{source}: {name!r} has shape {a.shape}, config implies {shape}")
-    return np.ascontiguousarray(a.astype(dtype, copy=False))
+    return a
 
-  params = {}
-  for k, hf_name in _TOP_NAMES.items():
-    if k in shapes:
-      params[k] = take(hf_name, shapes[k], False)
-  layers = {}
-  for k, shape in shapes["layers"].items():
-    hf_name, tr = _LAYER_NAMES[k]
-    layers[k] = np.stack([take(f"model.layers.{i}.{hf_name}", shape[1:], tr)
-                          for i in range(cfg.num_layers)])
-  params["layers"] = layers
+  def stacked(shape, names, transpose):
+    out = np.empty(shape, dtype)
+    for j, name in enumerate(names):
+      out[j] = take(name, shape[1:], transpose)
+    return out
+
+  def per_layer(tree, layers):
+    return {k: stacked(shape, [f"model.layers.{i}.{_LAYER_NAMES[k][0]}" for i in layers],
+                       _LAYER_NAMES[k][1]) for k, shape in tree.items()}
+
+  params = {k: np.ascontiguousarray(take(hf_name, shapes[k], False).astype(dtype, copy=False))
+            for k, hf_name in _TOP_NAMES.items() if k in shapes}
+  params["layers"] = per_layer(shapes["layers"], range(cfg.num_layers))
+  if "moe" in shapes:
+    params["moe"] = _moe_from_hf(shapes["moe"], cfg, tensors, take, dtype)
+  if "mlp" in shapes:
+    params["mlp"] = per_layer(shapes["mlp"], cfg.dense_layers)
   return params
+
+
+def _moe_from_hf(shapes, cfg: ModelConfig, tensors, take, dtype) -> dict[str, np.ndarray]:
+  """params["moe"]: routers and experts of the sparse layers, from per-expert tensors (the
+  released format) or transformers 5's fused ones."""
+  out = {k: np.empty(shape, dtype) for k, shape in shapes.items()}
+  E, F = cfg.num_experts, cfg.moe_intermediate_size
+  for j, i in enumerate(cfg.moe_layers):
+    pre = f"model.layers.{i}.mlp."
+    out["router"][j] = take(pre + _ROUTER_NAME, shapes["router"][1:], True)
+    if pre + "experts.gate_up_proj" in tensors:
+      gate_up = take(pre + "experts.gate_up_proj", (E, cfg.hidden_size, 2 * F), True)
+      out["experts_gate"][j] = gate_up[..., :F]
+      out["experts_up"][j] = gate_up[..., F:]
+      out["experts_down"][j] = take(pre + "experts.down_proj", shapes["experts_down"][1:], True)
+      continue
+    for e in range(E):
+      for k, hf_name in _EXPERT_NAMES.items():
+        out[k][j, e] = take(f"{pre}experts.{e}.{hf_name}", shapes[k][2:], True)
+  return out
 
 
 def iter_hf_tensors(params, cfg: ModelConfig):
   """(HF name, NumPy array in HF layout) for each tensor, one at a time; linear weights are
-  transposed views, not copies, so a caller can convert and write them one by one."""
+  transposed views, not copies, so a caller can convert and write them one by one. A
+  Qwen3-MoE model's experts come one expert at a time, in the released checkpoints' names,
+  from one sparse layer's stack on the host at a time."""
   for k, hf_name in _TOP_NAMES.items():
     if k in params:
       yield hf_name, np.asarray(params[k])
@@ -139,6 +210,18 @@ def iter_hf_tensors(params, cfg: ModelConfig):
     stacked = np.asarray(stacked)
     for i in range(cfg.num_layers):
       yield f"model.layers.{i}.{hf_name}", (stacked[i].T if tr else stacked[i])
+  for j, i in enumerate(cfg.moe_layers):
+    layer = {k: np.asarray(a[j]) for k, a in params["moe"].items()}
+    pre = f"model.layers.{i}.mlp."
+    yield pre + _ROUTER_NAME, layer["router"].T
+    for e in range(cfg.num_experts):
+      for k, hf_name in _EXPERT_NAMES.items():
+        yield f"{pre}experts.{e}.{hf_name}", layer[k][e].T
+  for k, stacked in params.get("mlp", {}).items():
+    hf_name, tr = _LAYER_NAMES[k]
+    stacked = np.asarray(stacked)
+    for j, i in enumerate(cfg.dense_layers):
+      yield f"model.layers.{i}.{hf_name}", (stacked[j].T if tr else stacked[j])
 
 
 def hf_tensors_from_params(params, cfg: ModelConfig) -> dict[str, np.ndarray]:

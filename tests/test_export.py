@@ -52,8 +52,10 @@ def random_params(cfg, seed):
     return ((0.3 if name.startswith("b") else 0.15) * rng.standard_normal(shape)).astype(
         np.float32)
 
-  out = {k: draw(k, s) for k, s in shapes.items() if k != "layers"}
-  out["layers"] = {k: draw(k, s) for k, s in shapes["layers"].items()}
+  out = {k: draw(k, s) for k, s in shapes.items() if not isinstance(s, dict)}
+  # The stacks: "layers", and an MoE model's "moe" (and "mlp").
+  out.update({k: {n: draw(n, x) for n, x in s.items()} for k, s in shapes.items()
+              if isinstance(s, dict)})
   return out
 
 
@@ -254,12 +256,22 @@ def _export(*args):
 def tiny_run(tmp_path_factory):
   """A run directory holding one learner checkpoint of tiny_test (tiny-chat), whose params
   were replaced by random ones (so an export of the base model's init would fail)."""
-  run = tmp_path_factory.mktemp("run")
+  return _random_run(tmp_path_factory.mktemp("run"), "tiny-chat", seed=9)
+
+
+@pytest.fixture(scope="module")
+def moe_run(tmp_path_factory):
+  """tiny_run's checkpoint for tiny_test on tiny-chat-moe (a Qwen3-MoE)."""
+  return _random_run(tmp_path_factory.mktemp("moe_run"), "tiny-chat-moe", seed=10)
+
+
+def _random_run(run, model_name, seed):
   c = tiny_test.get_config()
+  c.model.name = model_name
   c.checkpoint.dir = str(run / "checkpoints")
   learner = Learner(c)
   cfg = learner.model_config
-  params = random_params(cfg, seed=9)
+  params = random_params(cfg, seed=seed)
   shardings = jax.tree.map(lambda a: a.sharding, learner.state.params)
   learner.state = learner.state._replace(params=jax.device_put(params, shardings))
   assert learner.save(force=True)
@@ -320,3 +332,25 @@ def test_export_errors_are_one_line(tiny_run, tmp_path):
     assert r.returncode == 2 and message in r.stderr, (args, r.stderr)
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
   assert not (tmp_path / "o").exists()
+
+
+def test_export_moe_hf_loads_in_transformers_and_gguf_is_refused(moe_run, tmp_path):
+  run, cfg, params = moe_run
+  assert cfg.is_moe
+  r = _export(f"--checkpoint={run}", "--format=hf", f"--out={tmp_path / 'hf'}")
+  assert r.returncode == 0, r.stderr
+  out = json.loads(r.stdout.strip().splitlines()[-1])
+  assert (out["model"], out["family"]) == ("tiny-chat-moe", "qwen3_moe")
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+      tmp_path / "hf", attn_implementation="eager", dtype=torch.float32).eval()
+  assert type(model) is transformers.Qwen3MoeForCausalLM
+  ids = Tokenizer.byte_level().encode(TEXT)
+  with torch.no_grad():
+    want = model(torch.as_tensor([ids])).logits[0].numpy()
+  np.testing.assert_allclose(logits(params, cfg, ids), want, atol=1e-4, rtol=0)
+  r = _export(f"--checkpoint={run}", "--format=gguf", f"--out={tmp_path / 'g'}")
+  # The refusal comes once the run's model is known (after the progress lines): one line.
+  last = r.stderr.strip().splitlines()[-1]
+  assert r.returncode == 2 and last.startswith("error: family 'qwen3_moe'"), r.stderr
+  assert "qwen3moe GGUF tensor layout" in last and last.endswith("--format=hf"), r.stderr
+  assert not (tmp_path / "g").exists()

@@ -62,18 +62,26 @@ def build_service(c: ml_collections.ConfigDict, model=None, *, resume: bool = Tr
   return learner, service
 
 
-def agent_config(c: ml_collections.ConfigDict) -> AgentConfig:
+def agent_config(c: ml_collections.ConfigDict, model_config=None) -> AgentConfig:
+  """The agent loop's settings. With an MoE `model_config`, records carry the engine's routing
+  when the learner replays it, and always from the embedded engine (where it costs nothing
+  and feeds the learner's routing-drift metric)."""
   a = c.agent
+  moe = model_config is not None and model_config.is_moe
   return AgentConfig(max_turns=a.max_turns, max_new_tokens=a.max_new_tokens,
                      max_total_tokens=a.max_total_tokens, temperature=c.objective.temperature,
                      top_p=a.top_p, template=a.template,
-                     tool_limits=rcfg.tool_limits(c))
+                     tool_limits=rcfg.tool_limits(c),
+                     record_routing=moe and (bool(c.routing_replay)
+                                             or c.rollout.engine == "embedded"))
 
 
 def build_engine(c: ml_collections.ConfigDict, model, params=None, version: int = 0):
   if c.rollout.engine == "sglang":
     from fr_jax.rollout.sglang import SGLangEngine
-    return SGLangEngine(c.rollout.sglang_url, version=version)
+    # The model's config tells the client which of SGLang's per-layer routing rows are the
+    # sparse layers' (routing replay).
+    return SGLangEngine(c.rollout.sglang_url, version=version, model_config=model.config)
   from fr_jax.rollout.embedded import EmbeddedEngine
   return EmbeddedEngine(model.config, model.params if params is None else params,
                         tokenizer=model.tokenizer, num_slots=c.rollout.num_slots,
@@ -91,7 +99,7 @@ def build_worker(c: ml_collections.ConfigDict, client, model, *, index: int, num
   require_tokenizer(c, model)
   env = envs.make(c.env.name, **c.env.kwargs.to_dict())
   engine = build_engine(c, model, params, version)
-  return Worker(client, engine, model.tokenizer, env, agent_config(c),
+  return Worker(client, engine, model.tokenizer, env, agent_config(c, model.config),
                 worker_id=worker_id or f"worker-{index}", shard_index=index,
                 num_shards=num_shards, seed=c.env.seed, inflight=c.rollout.inflight,
                 weights="hf" if c.rollout.engine == "sglang" else "arrays",

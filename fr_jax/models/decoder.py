@@ -177,6 +177,8 @@ def _fuse_projections(lp: dict) -> dict:
   lp = dict(lp)
   for fused, parts, biases in (("wqkv", ("wq", "wk", "wv"), ("bq", "bk", "bv")),
                                ("w_gate_up", ("w_gate", "w_up"), ("b_gate", "b_up"))):
+    if parts[0] not in lp:  # a sparse layer: its experts stay as they are
+      continue
     lp[fused] = jnp.concatenate([lp.pop(k) for k in parts], axis=-1)
     if biases[0] in lp:
       lp["b" + fused[1:]] = jnp.concatenate([lp.pop(k) for k in biases])

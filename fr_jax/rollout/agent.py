@@ -50,6 +50,9 @@ class AgentConfig:
   top_p: float = 1.0
   template: str = "model"  # "model": the model's own chat template; "chatml": plain ChatML
   tool_limits: Limits = dataclasses.field(default_factory=Limits)
+  # MoE models: ask the engine for the experts of every fed position and put them in the
+  # record (`Trajectory.routed_experts`), for the learner's routing replay.
+  record_routing: bool = False
 
 
 def parse_tool_call(text: str) -> tuple[str | None, str | None]:
@@ -110,6 +113,12 @@ class Episode:
   reward: float = 0.0  # score minus the env's tool charges
   score: float = 0.0  # the env's verdict on the episode (its accuracy)
   last_text: str = ""
+  routes: list = dataclasses.field(default_factory=list)  # routing rows of positions 0..
+
+  @property
+  def routed(self) -> int:
+    """Positions whose routing the episode holds."""
+    return sum(r.shape[0] for r in self.routes)
 
   @property
   def length(self) -> int:
@@ -146,7 +155,8 @@ class AgentLoop:
     return Request(f"{ep.task.task_id}#{seed}#{ep.turns}", ep.prompt_ids + ep.tokens,
                    max_new_tokens=max(1, min(self.cfg.max_new_tokens, budget)),
                    temperature=self.cfg.temperature, top_p=self.cfg.top_p,
-                   seed=(seed * 1_000_003 + ep.turns) % 2**32, stop_token_ids=self.stop_ids)
+                   seed=(seed * 1_000_003 + ep.turns) % 2**32, stop_token_ids=self.stop_ids,
+                   routed_experts_start=ep.routed if self.cfg.record_routing else None)
 
   def _append(self, ep: Episode, ids, *, action: bool, logp=None, versions=None):
     n = len(ids)
@@ -158,6 +168,13 @@ class AgentLoop:
 
   def advance(self, ep: Episode, c: Completion) -> None:
     """Appends a model turn and what follows it (tool result / observation / the end)."""
+    # A request aborted before it ran has no tokens and no routing to add.
+    if self.cfg.record_routing and c.routed_experts is not None and c.token_ids:
+      want = ep.length + len(c.token_ids) - 1 - ep.routed
+      if c.routed_experts.shape[0] != want:
+        raise ValueError(f"request {c.request_id!r}: the engine reported routing for "
+                         f"{c.routed_experts.shape[0]} positions; {want} were asked for")
+      ep.routes.append(c.routed_experts)
     self._append(ep, c.token_ids, action=True, logp=c.logprobs, versions=c.versions)
     ep.turns += 1
     text = self.tok.decode([t for t in c.token_ids if t not in self.stop_ids])
@@ -211,14 +228,26 @@ class AgentLoop:
     return self.env.reward(ep.task, text)
 
   def trajectory(self, ep: Episode) -> Trajectory:
+    """The episode's record. With `record_routing`, its routing covers every position but
+    the last; an episode aborted before its last turn was fed (an observation the engine never
+    read) loses that unread tail of non-action tokens, which no log-prob depends on."""
+    n = len(ep.tokens)
+    routes = None
+    if self.cfg.record_routing and ep.routes:
+      routes = np.concatenate(ep.routes)
+      unread = ep.length - 1 - routes.shape[0]
+      if unread > 0 and not any(ep.mask[n - unread:]):
+        n -= unread
+      elif unread:
+        routes = None  # cannot happen with an engine that keeps the contract
     return Trajectory(
         prompt_id=ep.task.task_id, prompt_tokens=np.asarray(ep.prompt_ids, np.int32),
-        completion_tokens=np.asarray(ep.tokens, np.int32),
-        action_mask=np.asarray(ep.mask, bool),
-        behavior_logp=np.asarray(ep.logp, np.float32),
-        reward=float(ep.reward), policy_version=np.asarray(ep.versions, np.int32),
+        completion_tokens=np.asarray(ep.tokens[:n], np.int32),
+        action_mask=np.asarray(ep.mask[:n], bool),
+        behavior_logp=np.asarray(ep.logp[:n], np.float32),
+        reward=float(ep.reward), policy_version=np.asarray(ep.versions[:n], np.int32),
         finish_reason=ep.finish_reason, num_tool_calls=ep.tool_calls, num_turns=ep.turns,
-        env=self.env.name, traj_id="")
+        env=self.env.name, traj_id="", routed_experts=routes)
 
   def step(self, eps: Sequence[Episode], seeds: Sequence[int], should_abort=None) -> bool:
     """One round: every live episode takes a model turn (batched on the engine) and what

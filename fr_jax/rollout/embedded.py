@@ -26,6 +26,13 @@ and decoding overwrites them in order. Only entries computed under the current w
 reused (`update_weights` retires every slot's prefix), so a reused prefix gives the
 log-probs a full re-prefill would, up to float rounding.
 
+Routing replay (MoE models). Every forward also returns the experts each fed position was
+routed to (prefill and decode alike), and a slot keeps its resident tokens' routing with their
+KV entries, so a reused prefix reports the routing its entries were computed with. A request
+with `routed_experts_start` gets the rows of its positions from there on
+(`Completion.routed_experts`, `ModelConfig.routing_dtype`); tokens decoded after a weight swap
+carry the new weights' routing, the ones before it the old: the experts that really ran.
+
 Eviction is bounded by the slots themselves (num_slots sequences of max_len): a request takes,
 in order of preference, (1) the free slot holding the longest prefix of its prompt, (2) an
 empty slot, (3) the least recently used free slot, whose common prefix with the prompt (a
@@ -65,35 +72,46 @@ def _prefill_slot(params, cfg: ModelConfig, cache, slot, tokens, start, length, 
   `start` are the reused prefix."""
   sub = jax.tree.map(lambda c: jax.lax.dynamic_slice_in_dim(c, slot, 1, axis=0), cache)
   positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-  h, sub = decoder.forward(params, cfg, tokens, positions, cache=sub)
+  h, sub, routing = decoder.forward(params, cfg, tokens, positions, cache=sub, routing_out=True)
   last = jax.lax.dynamic_index_in_dim(h[0], length - 1, axis=0, keepdims=True)
   logits = decoder.logits_from_hidden(params, cfg, last)
   tok, lp = sampling.sample(logits, _keys(seed[None], jnp.zeros((1,), jnp.uint32)),
                             temp[None], top_p[None])
   cache = jax.tree.map(lambda c, u: jax.lax.dynamic_update_slice_in_dim(c, u, slot, axis=0),
                        cache, sub)
-  return tok[0], lp[0], cache
+  experts = _experts(cfg, routing)
+  return tok[0], lp[0], cache, None if experts is None else experts[0]
+
+
+def _experts(cfg: ModelConfig, routing):
+  """The routing's experts [B, T, sparse layers, k] in the record's dtype; None for a dense
+  model."""
+  return routing.experts.astype(cfg.routing_dtype) if cfg.is_moe else None
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "window"), donate_argnames=("cache",))
 def _decode(params, cfg: ModelConfig, cache, tokens, positions, seeds, counters, temps, top_ps,
             window: int):
-  """One token for every slot: tokens [S] at positions [S] -> (next [S], logp [S], cache).
-  Attention reads the first `window` cache slots (every live position is below it)."""
-  h, cache = decoder.forward(params, cfg, tokens[:, None], positions[:, None], cache=cache,
-                             window=window)
+  """One token for every slot: tokens [S] at positions [S] -> (next [S], logp [S], cache,
+  experts [S, sparse layers, k] or None). Attention reads the first `window` cache slots
+  (every live position is below it)."""
+  h, cache, routing = decoder.forward(params, cfg, tokens[:, None], positions[:, None],
+                                      cache=cache, window=window, routing_out=True)
   logits = decoder.logits_from_hidden(params, cfg, h[:, 0])
   toks, lps = sampling.sample(logits, _keys(seeds, counters), temps, top_ps)
-  return toks, lps, cache
+  experts = _experts(cfg, routing)
+  return toks, lps, cache, None if experts is None else experts[:, 0]
 
 
 @dataclasses.dataclass
 class _Resident:
   """What a slot's cache holds: KV entries for `tokens` at positions 0.., computed under
-  weights epoch `epoch`, last used at scheduler tick `used`."""
+  weights epoch `epoch`, last used at scheduler tick `used`; for an MoE model, the experts
+  each of those positions was routed to ([len(tokens), sparse layers, k])."""
   tokens: list = dataclasses.field(default_factory=list)
   epoch: int = -1
   used: int = 0
+  routes: np.ndarray | None = None
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -112,11 +130,16 @@ def _powers_of_two(lo: int, hi: int) -> list[int]:
 
 
 class _Slot:
-  __slots__ = ("req", "tokens", "logprobs", "versions", "pos", "t0", "ttft", "text_tail")
+  __slots__ = ("req", "tokens", "logprobs", "versions", "pos", "t0", "ttft", "text_tail",
+               "routes")
 
   def __init__(self, req: Request, t0: float):
     self.req, self.tokens, self.logprobs, self.versions = req, [], [], []
     self.pos, self.t0, self.ttft, self.text_tail = len(req.prompt_ids), t0, 0.0, ""
+    self.routes = []  # MoE: routing rows of the fed positions 0.., in order (arrays)
+
+  def routing(self) -> np.ndarray | None:
+    return np.concatenate(self.routes) if self.routes else None
 
 
 class EmbeddedEngine:
@@ -171,12 +194,12 @@ class EmbeddedEngine:
     compiles. Writes nothing a slot holds (every write lands past the cache's end)."""
     end, one = jnp.int32(self.max_len), jnp.ones((), jnp.float32)
     for b in self.buckets:
-      _, _, self.cache = _prefill_slot(self.params, self.cfg, self.cache, jnp.int32(0),
+      _, _, self.cache, _ = _prefill_slot(self.params, self.cfg, self.cache, jnp.int32(0),
                                        jnp.zeros((1, b), jnp.int32), end, jnp.int32(1),
                                        jnp.uint32(0), one, one)
     S = self.num_slots
     for w in self.windows:
-      _, _, self.cache = _decode(self.params, self.cfg, self.cache, np.zeros(S, np.int32),
+      _, _, self.cache, _ = _decode(self.params, self.cfg, self.cache, np.zeros(S, np.int32),
                                  np.full(S, self.max_len, np.int32), np.zeros(S, np.uint32),
                                  np.zeros(S, np.uint32), np.ones(S, np.float32),
                                  np.ones(S, np.float32), window=w)
@@ -215,6 +238,9 @@ class EmbeddedEngine:
 
   def _start(self, slot: int, req: Request, t0: float) -> _Slot:
     req.check(self.cfg.vocab_size)
+    if req.routed_experts_start is not None and not self.cfg.is_moe:
+      raise ValueError(f"request {req.request_id!r} asks for routed experts, but the model is "
+                       "dense (routing replay is for mixture-of-experts models)")
     P = len(req.prompt_ids)
     if P >= self.max_len:
       raise ValueError(f"request {req.request_id!r}: prompt of {P} tokens leaves no room in "
@@ -223,16 +249,22 @@ class EmbeddedEngine:
     n = P - start
     toks = np.zeros((1, self._bucket(n)), np.int32)
     toks[0, :n] = req.prompt_ids[start:]
-    tok, lp, self.cache = _prefill_slot(
+    tok, lp, self.cache, experts = _prefill_slot(
         self.params, self.cfg, self.cache, jnp.int32(slot), jnp.asarray(toks),
         jnp.int32(start), jnp.int32(n), jnp.uint32(req.seed), jnp.float32(req.temperature),
         jnp.float32(req.top_p))
+    s = _Slot(req, t0)
+    if experts is not None:
+      reused = self._resident[slot].routes
+      if start:
+        s.routes.append(reused[:start])
+      s.routes.append(np.asarray(experts)[:n])
     self.stats["requests"] += 1
     self.stats["prefill_tokens"] += n
     self.stats["reused_tokens"] += start
     # From here the slot holds the prompt; entries past it are stale until decoded over.
-    self._resident[slot] = _Resident(list(req.prompt_ids), self._epoch, self._tick)
-    s = _Slot(req, t0)
+    self._resident[slot] = _Resident(list(req.prompt_ids), self._epoch, self._tick,
+                                     s.routing())
     self._append(s, int(tok), float(lp))
     s.ttft = time.perf_counter() - t0
     return s
@@ -255,8 +287,11 @@ class EmbeddedEngine:
     return None
 
   def _done(self, s: _Slot, reason: str) -> Completion:
-    return Completion(s.req.request_id, s.tokens, s.logprobs, reason, s.versions,
-                      len(s.req.prompt_ids), s.ttft)
+    c = Completion(s.req.request_id, s.tokens, s.logprobs, reason, s.versions,
+                   len(s.req.prompt_ids), s.ttft)
+    if s.req.routed_experts_start is not None:
+      c.routed_experts = s.routing()[s.req.routed_experts_start:]
+    return c
 
   def generate(self, requests: Sequence[Request],
                should_abort: Callable[[], bool] | None = None) -> list[Completion]:
@@ -308,12 +343,16 @@ class EmbeddedEngine:
         seeds[i], counters[i] = s.req.seed, len(s.tokens)
         temps[i], top_ps[i] = s.req.temperature, s.req.top_p
       window = self._bucket(int(positions[live].max()) + 1, self.windows)
-      nxt, lps, self.cache = _decode(self.params, self.cfg, self.cache, tokens, positions, seeds,
-                                     counters, temps, top_ps, window=window)
+      nxt, lps, self.cache, experts = _decode(self.params, self.cfg, self.cache, tokens,
+                                              positions, seeds, counters, temps, top_ps,
+                                              window=window)
       nxt, lps = np.asarray(nxt), np.asarray(lps)
+      experts = None if experts is None else np.asarray(experts)
       for i in live:
         s = slots[i]
         s.pos += 1
+        if experts is not None:
+          s.routes.append(experts[i:i + 1])
         self._append(s, int(nxt[i]), float(lps[i]))
         reason = self._finished(s)
         if reason:
@@ -327,4 +366,5 @@ class EmbeddedEngine:
     token but the last (never fed). After a swap during the request its epoch is stale."""
     r = self._resident[slot]
     r.tokens = list(s.req.prompt_ids) + s.tokens[:-1]
+    r.routes = s.routing()
     r.used = self._tick

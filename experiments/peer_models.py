@@ -10,7 +10,8 @@ import transformers
 from fr_jax.models.config import to_hf_config
 
 HF_CLASSES = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
-              "qwen3": transformers.Qwen3ForCausalLM}
+              "qwen3": transformers.Qwen3ForCausalLM,
+              "qwen3_moe": transformers.Qwen3MoeForCausalLM}
 
 
 def hf_model(cfg, seed):

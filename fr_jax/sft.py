@@ -140,15 +140,17 @@ def write_jsonl(path, conversations: Iterable[list[dict]]) -> Path:
 
 
 def demonstrations(env, n: int, *, seed: int = 0, tool_fraction: float = 0.5) -> list:
-  """`n` conversations on the env's train split from `env.demonstration(task, use_tool)`;
+  """`n` conversations on the env's train split from `env.demonstration(task, use_tool)` (or
+  `env.sft_demonstration`, for an env whose `demonstration` serves another warm start);
   each calls the tool with probability `tool_fraction`, independently of the task, so the
   warm-started policy calls it on about that share of items whatever they are."""
-  if not hasattr(env, "demonstration"):
+  make = getattr(env, "sft_demonstration", None) or getattr(env, "demonstration", None)
+  if make is None:
     raise SFTDataError(f"env {env.name!r} writes no demonstrations; pass sft.data=FILE.jsonl")
   rng = np.random.default_rng([seed, 7])
   size = env.split_size("train")
-  return [env.demonstration(env.task("train", int(rng.integers(size))),
-                            bool(rng.random() < tool_fraction)) for _ in range(n)]
+  return [make(env.task("train", int(rng.integers(size))), bool(rng.random() < tool_fraction))
+          for _ in range(n)]
 
 
 def batch_indices(num_examples: int, batch_size: int, step: int, seed: int = 0) -> np.ndarray:

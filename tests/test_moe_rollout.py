@@ -184,3 +184,68 @@ def test_replay_pins_the_recorded_experts_where_the_routers_moved(moe):
   print(f"\nflipped {int(flipped.sum())} of {int(act.sum())} action positions; mean |dlogp| on"
         f" them: without replay {free.mean():.4f}, with replay {replay.mean():.4f}")
   assert replay.mean() < 0.5 * free.mean()
+
+
+@pytest.mark.parametrize("replay", [True, False])
+def test_learner_routing_metrics_equal_a_per_record_recomputation(moe, replay):
+  """routing_drift and the with/without-replay mismatch per lag bucket, from the update step,
+  against forwards of each record on its own (no packing), with and without its routes."""
+  import math
+
+  from fr_jax.learner import config as lcfg
+  from fr_jax.learner.learner import Learner
+  from fr_jax.models.registry import LoadedModel
+  from fr_jax.trajectory import Trajectory
+  cfg, params = moe
+  eng = EmbeddedEngine(cfg, params, num_slots=4, max_len=128)
+  rng = np.random.default_rng(2)
+  reqs = [Request(f"m{i}", rng.integers(0, 256, int(rng.integers(4, 12))).tolist(), 12,
+                  seed=i, routed_experts_start=0) for i in range(4)]
+  trajs = [Trajectory(r.request_id, np.asarray(r.prompt_ids), np.asarray(c.token_ids),
+                      np.ones(len(c.token_ids), bool), np.asarray(c.logprobs, np.float32),
+                      float(i % 2), 0, routed_experts=c.routed_experts)
+           for i, (r, c) in enumerate(zip(reqs, eng.generate(reqs)))]
+  noise = jax.random.normal(jax.random.key(6), params["moe"]["router"].shape)
+  moved = {**params, "moe": {**params["moe"], "router": params["moe"]["router"] + 3e-3 * noise}}
+  c = lcfg.default_config()
+  c.model.name, c.batch_size = "given", 4
+  c.packing.row_len, c.packing.row_buckets = 128, (2,)
+  c.objective.delta, c.optim.lr, c.log.peak_flops = math.inf, 0.0, 1e11
+  c.routing_replay, c.log.routing_counterfactual = replay, True
+  learner = Learner(lcfg.validate(c), model=LoadedModel("given", cfg, moved, None, "", 0.0),
+                    devices=jax.devices()[:1])
+  lags = [0, 0, 5, 5]
+  m = learner.update(trajs, lags=lags)
+  # Per record: |delta log p| with and without replay, and drifted action positions.
+  want = {}
+  for t, lag in zip(trajs, lags):
+    seq = t.tokens
+    pos = np.arange(len(seq) - 1)[None]
+    rows = {}
+    for name, routes in (("with", t.routed_experts[None]), ("without", None)):
+      h, _, r = decoder.forward(moved, cfg, seq[None, :-1], pos, routes=routes, routing_out=True)
+      z = np.asarray(decoder.logits_from_hidden(moved, cfg, h), np.float64)[0]
+      lp = z[np.arange(len(seq) - 1), seq[1:]] - np.log(np.exp(z).sum(-1))
+      rows[name] = np.abs(lp[len(t.prompt_tokens) - 1:] - t.behavior_logp)
+      if name == ("with" if replay else "without"):
+        drift = np.asarray(r.drift[0]) if replay else np.any(
+            np.sort(np.asarray(r.experts[0]), -1) != np.sort(t.routed_experts, -1), axis=(-2, -1))
+        rows["drift"] = drift[len(t.prompt_tokens) - 1:]
+    bucket = "0" if lag == 0 else "4plus"
+    for k, v in rows.items():
+      want.setdefault((bucket, k), []).append(v)
+  n_all = sum(t.num_action_tokens for t in trajs)
+  drift_all = sum(v.sum() for (_, k), vs in want.items() if k == "drift" for v in vs)
+  np.testing.assert_allclose(m["routing_drift"], drift_all / n_all, atol=1e-6)
+  for bucket in ("0", "4plus"):
+    n = sum(v.size for v in want[(bucket, "with")])
+    np.testing.assert_allclose(m[f"mismatch/lag_{bucket}/routing_drift"],
+                               sum(v.sum() for v in want[(bucket, "drift")]) / n, atol=1e-6)
+    for k in ("with", "without"):
+      np.testing.assert_allclose(m[f"mismatch/lag_{bucket}/abs_dlogp_{k}_replay"],
+                                 sum(v.sum() for v in want[(bucket, k)]) / n, rtol=1e-3,
+                                 atol=1e-5)
+    own = "with" if replay else "without"
+    key = f"mismatch/lag_{bucket}/abs_dlogp"
+    assert m[key] == m[f"{key}_{own}_replay"]
+  assert m["routing_drift"] > 0

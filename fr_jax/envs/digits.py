@@ -22,7 +22,9 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from fr_jax.envs.base import Task, check_split, procedural_task
+import numpy as np
+
+from fr_jax.envs.base import Task, check_split, procedural_task, stable_hash
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 _DIGIT = re.compile(r"\d")
@@ -102,3 +104,21 @@ class Digits:
     d = task.answer if rng.random() < correct_rate else int(rng.integers(0, 10))
     turns.append(f"{filler} {d}" if filler else str(d))
     return turns
+
+  def sft_demonstration(self, task: Task, use_tool: bool, *, correct_rate: float = 0.6,
+                        max_filler: int = 4) -> list[dict]:
+    """An imperfect episode (`demonstration`) as a conversation for `launch.sft`'s generated
+    warm start: the tool's answer comes back as a user turn, as the agent loop renders an
+    interactive environment's observation. Short filler, so that it fits a turn, and a wrong
+    digit 40% of the time, so that reinforcement learning has something left to fix. Filler
+    and correctness are drawn from the task's id: a task always gets the same
+    demonstration."""
+    rng = np.random.default_rng(stable_hash(task.task_id) % 2**32)
+    turns = self.demonstration(task, rng, tool_rate=float(use_tool and self.tool),
+                               correct_rate=correct_rate, max_filler=max_filler)
+    msgs = [{"role": "user", "content": task.prompt}]
+    for i, turn in enumerate(turns):
+      msgs.append({"role": "assistant", "content": turn})
+      if i + 1 < len(turns):
+        msgs.append({"role": "user", "content": f"= {task.answer}"})
+    return msgs

@@ -99,6 +99,10 @@ def default_config() -> ml_collections.ConfigDict:
   c.log = ml_collections.ConfigDict(dict(
       dir="",  # metrics.jsonl and TensorBoard events; empty: no files
       peak_flops=0.0,  # for MFU; 0 measures a jitted matmul at start-up
+      # MoE models whose records carry routing: also score each batch the other way (without
+      # replay when replaying, with it when not) and log both mismatches per lag bucket
+      # (`mismatch/lag_*/abs_dlogp_{with,without}_replay`). One more forward pass per update.
+      routing_counterfactual=False,
   ))
   return c
 

@@ -11,7 +11,9 @@ are made here, in NumPy, after the step:
   (`abs_dlogp`) and of the Bernoulli KL (`token_kl`), the mean of D_i (`kl_proxy`, what the
   gate bounds) and the number of trajectories; for an MoE model whose records carry routing,
   the fraction of action tokens whose learner top-k differs from the recorded experts
-  (`routing_drift`).
+  (`routing_drift`); with `log.routing_counterfactual`, the same batch's |delta log p| and
+  Bernoulli KL with and without replay (`abs_dlogp_with_replay`, `abs_dlogp_without_replay`,
+  `token_kl_with_replay`, `token_kl_without_replay`: one of each pair is the update's own).
 * **the gate's acceptance by response length** (`gate/acceptance_len_q{1..4}`): records sorted
   by completion length and cut into four groups of equal size (by rank, so ties may straddle
   a cut); `gate/len_q{k}_max` is each group's longest response.
@@ -29,7 +31,8 @@ LAG_BUCKETS = (("0", 0, 0), ("1", 1, 1), ("2_3", 2, 3), ("4plus", 4, np.iinfo(np
 
 
 def split_metrics(*, lag_B, action_tokens_B, response_len_B, advantage_B, admitted_B,
-                  seq_kl_B, abs_dlogp_sum_B, token_kl_sum_B, drift_sum_B=None) -> dict:
+                  seq_kl_B, abs_dlogp_sum_B, token_kl_sum_B, drift_sum_B=None, other_B=None,
+                  replay=False) -> dict:
   """The split metrics of one batch of B records (every argument is [B], in record order)."""
   lag = np.asarray(lag_B)
   tokens = np.asarray(action_tokens_B, np.float64)
@@ -46,6 +49,13 @@ def split_metrics(*, lag_B, action_tokens_B, response_len_B, advantage_B, admitt
     out[f"mismatch/lag_{name}/trajectories"] = int(sel.sum())
     if drift_sum_B is not None:
       out[f"mismatch/lag_{name}/routing_drift"] = float(np.sum(drift_sum_B, where=sel) / n_tok)
+    if other_B is not None:
+      own, other = ("with", "without") if replay else ("without", "with")
+      for key, mine, theirs in (("abs_dlogp", abs_dlogp_sum_B, other_B[0]),
+                                ("token_kl", token_kl_sum_B, other_B[1])):
+        out[f"mismatch/lag_{name}/{key}_{own}_replay"] = float(np.sum(mine, where=sel) / n_tok)
+        out[f"mismatch/lag_{name}/{key}_{other}_replay"] = float(np.sum(theirs, where=sel)
+                                                                 / n_tok)
   length = np.asarray(response_len_B)
   order = np.argsort(length, kind="stable")
   for q, idx in enumerate(np.array_split(order, 4), start=1):

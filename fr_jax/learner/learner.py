@@ -62,7 +62,8 @@ def step_config(c: ml_collections.ConfigDict, model_config) -> step.StepConfig:
       clip_eps_high=float(o.clip_eps_high), temperature=float(o.temperature),
       # Supervised data (launch.sft) was not sampled by an engine: nothing to replay.
       remat=bool(c.model.remat), replay=moe and bool(c.routing_replay) and o.loss != "sft",
-      router_aux_loss_coef=float(o.router_aux_loss_coef) if moe else 0.0)
+      router_aux_loss_coef=float(o.router_aux_loss_coef) if moe else 0.0,
+      routing_counterfactual=moe and bool(c.log.routing_counterfactual))
 
 
 def learner_model_config(c: ml_collections.ConfigDict, model_config):
@@ -318,6 +319,7 @@ class Learner:
         per[k][b.traj_index[slots]] = np.asarray(seg[k], np.float64)[slots]
     rewards = np.array([t.reward for t in trajs], np.float64)
     o = self.config.objective
+    routed = packed.batches[0].routes is not None
     if advantages is not None:  # grpo: the group advantages
       adv = np.asarray(advantages, np.float64)
     elif o.loss == "flash_reinforce" and o.advantage == "batch_centered":
@@ -329,7 +331,10 @@ class Learner:
         response_len_B=[t.completion_tokens.shape[0] for t in trajs], advantage_B=adv,
         admitted_B=per["admitted"], seq_kl_B=per["seq_kl"],
         abs_dlogp_sum_B=per["abs_dlogp_sum"], token_kl_sum_B=per["token_kl_sum"],
-        drift_sum_B=per["drift_sum"] if packed.batches[0].routes is not None else None)
+        drift_sum_B=per["drift_sum"] if routed else None,
+        other_B=(per["other_abs_dlogp_sum"], per["other_token_kl_sum"])
+        if routed and self.step_config.routing_counterfactual and o.loss != "sft" else None,
+        replay=self.step_config.replay)
 
   def objective_finite(self, trajs: Sequence[Trajectory]) -> bool:
     """Whether the one-batch objective on `trajs` alone (with their own B, mean reward and

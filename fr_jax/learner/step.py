@@ -11,7 +11,8 @@ A batch whose loss or gradient norm is not finite applies nothing: the state is 
 Each micro-batch also returns per-trajectory values [S] (`SEGMENT_VALUES`: the gate's D_i
 and decision from the objective, the sums of |log pi - log mu| and of the Bernoulli KL over
 the action tokens, and, for an MoE model whose records carry routing, how many of them
-drifted: scored where the learner's own top-k is not the recorded set): the learner splits
+drifted: scored where the learner's own top-k is not the recorded set, and optionally the
+same sums scored the other way, with replay or without): the learner splits
 them on the host by what only the host knows per record (policy lag, response length,
 advantage sign; `fr_jax.learner.diagnostics`). The
 metrics' per-token ratio and KL are recomputed here from the same log-probs, for every loss
@@ -55,6 +56,9 @@ class StepConfig:
   remat: bool = True
   replay: bool = False  # MoE: score with the batch's recorded experts (batch.routes)
   router_aux_loss_coef: float = 0.0  # MoE: weight of the routers' load-balancing loss
+  # MoE with recorded routing: also score the batch the other way (without replay when
+  # replaying, with it when not), for the mismatch metrics of both (one more forward pass).
+  routing_counterfactual: bool = False
 
 
 def init_state(params, optimizer: optax.GradientTransformation) -> TrainState:
@@ -66,7 +70,8 @@ _SUMS = ("loss", "admitted", "trajectories", "tokens", "seq_kl_sum", "ratio_sum"
          "entropy_sum", "token_kl_sum", "ratio_outside", "admitted_tokens",
          "admitted_ratio_sum", "admitted_ratio_sq_sum", "drift_tokens", "router_balance")
 _MAXES = ("seq_kl_max", "ratio_max")
-SEGMENT_VALUES = ("seq_kl", "admitted", "abs_dlogp_sum", "token_kl_sum", "drift_sum")
+SEGMENT_VALUES = ("seq_kl", "admitted", "abs_dlogp_sum", "token_kl_sum", "drift_sum",
+                  "other_abs_dlogp_sum", "other_token_kl_sum")
 # Importance ratios outside [1/RATIO_BAND, RATIO_BAND] are counted (`ratio_outside_frac`).
 RATIO_BAND = 2.0
 
@@ -150,12 +155,22 @@ def _grads_and_sums(params, batch, stats: obj.BatchStats, sc: StepConfig):
       "router_balance": routing.balance,
   }
   maxes = {"seq_kl_max": jnp.where(valid, seq_kl, 0.0).max(), "ratio_max": rho.max()}
+  other_abs = other_kl = jnp.zeros(mask.shape, f32)
+  if batch.routes is not None and sc.routing_counterfactual and sc.loss != "sft":
+    other, _ = decoder.score_packed(params, sc.model, batch.tokens, batch.targets,
+                                    batch.positions, batch.segment_ids, sc.temperature,
+                                    routes=None if sc.replay else batch.routes)
+    other = jax.lax.stop_gradient(other)
+    other_abs = jnp.where(mask, jnp.abs(other - behavior), 0.0)
+    other_kl = jnp.where(mask, obj.bernoulli_kl(behavior, other), 0.0)
   segment = {
       "seq_kl": jnp.where(valid, seq_kl, 0.0),
       "admitted": admitted,
       "abs_dlogp_sum": obj.segment_sum(jnp.abs(log_rho), batch.segment_ids, S),
       "token_kl_sum": obj.segment_sum(d, batch.segment_ids, S),
       "drift_sum": obj.segment_sum(drift.astype(f32), batch.segment_ids, S),
+      "other_abs_dlogp_sum": obj.segment_sum(other_abs, batch.segment_ids, S),
+      "other_token_kl_sum": obj.segment_sum(other_kl, batch.segment_ids, S),
   }
   return grads, sums, maxes, segment
 

@@ -3,6 +3,8 @@ the ones its forward passes used (prefill, decode, reused prefixes, a weight swa
 the agent puts them in the record, and the learner scoring with them reproduces the engine's
 expert choice where its own routers would choose others."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +17,9 @@ from fr_jax.rollout.agent import AgentConfig, AgentLoop
 from fr_jax.rollout.embedded import EmbeddedEngine
 from fr_jax.rollout.engine import Request
 from fr_jax.trajectory import validate
+
+# One engine shape for every test here: its prefill and decode steps compile once per process.
+ENGINE = dict(num_slots=4, max_len=128)
 
 
 def sharp(params, scale=20.0, experts=8.0):
@@ -45,7 +50,7 @@ def same_sets(a, b):
 
 def test_engine_records_the_experts_its_forward_used(moe):
   cfg, params = moe
-  eng = EmbeddedEngine(cfg, params, num_slots=2, max_len=128)
+  eng = EmbeddedEngine(cfg, params, **ENGINE)
   rng = np.random.default_rng(0)
   reqs = [Request(f"r{i}", rng.integers(0, 256, int(rng.integers(3, 30))).tolist(),
                   max_new_tokens=int(rng.integers(2, 20)), seed=i, routed_experts_start=0)
@@ -66,7 +71,7 @@ def test_engine_records_the_experts_its_forward_used(moe):
 
 def test_a_reused_prefix_reports_the_routing_its_entries_were_computed_with(moe):
   cfg, params = moe
-  eng = EmbeddedEngine(cfg, params, num_slots=2, max_len=128)
+  eng = EmbeddedEngine(cfg, params, **ENGINE)
   p = list(range(5, 25))
   (c1,) = eng.generate([Request("t1", p, 6, seed=1, routed_experts_start=0)])
   nxt = p + c1.token_ids + [7, 8, 9]
@@ -84,7 +89,7 @@ def test_a_reused_prefix_reports_the_routing_its_entries_were_computed_with(moe)
 def test_weight_swap_mid_request_keeps_the_experts_that_ran(moe):
   cfg, params = moe
   other = sharp(registry.load("tiny-qwen3-moe", seed=9).params)
-  eng = EmbeddedEngine(cfg, params, num_slots=2, max_len=64)
+  eng = EmbeddedEngine(cfg, params, **ENGINE)
   r = Request("s", [3, 1, 4, 1, 5, 9, 2, 6], max_new_tokens=12, seed=7, routed_experts_start=0)
   steps = []
 
@@ -117,9 +122,9 @@ def test_agent_records_carry_routing_and_an_unread_tail_is_cut(moe):
   m = registry.load("tiny-chat-moe", seed=3)
   params = sharp(m.params)
   env = envs.make("textworld")
-  eng = EmbeddedEngine(m.config, params, tokenizer=m.tokenizer, num_slots=2, max_len=2048)
+  eng = EmbeddedEngine(m.config, params, tokenizer=m.tokenizer, num_slots=2, max_len=1024)
   loop = AgentLoop(eng, m.tokenizer, env, AgentConfig(max_turns=3, max_new_tokens=10,
-                                                      max_total_tokens=2048, template="chatml",
+                                                      max_total_tokens=1024, template="chatml",
                                                       record_routing=True))
   # A random model seldom samples the one stop token within a turn, and a turn cut at
   # max_new_tokens ends the episode: half the vocabulary stops a turn here, so episodes take
@@ -150,7 +155,7 @@ def test_replay_pins_the_recorded_experts_where_the_routers_moved(moe):
   the learner's experts equal the recorded ones everywhere and the log-probs move only with
   the gate weights, in proportion to the move."""
   cfg, params = moe
-  eng = EmbeddedEngine(cfg, params, num_slots=4, max_len=128)
+  eng = EmbeddedEngine(cfg, params, **ENGINE)
   rng = np.random.default_rng(1)
   reqs = [Request(f"q{i}", rng.integers(0, 256, 12).tolist(), 24, seed=i,
                   routed_experts_start=0) for i in range(4)]
@@ -197,7 +202,7 @@ def test_learner_routing_metrics_equal_a_per_record_recomputation(moe, replay):
   from fr_jax.models.registry import LoadedModel
   from fr_jax.trajectory import Trajectory
   cfg, params = moe
-  eng = EmbeddedEngine(cfg, params, num_slots=4, max_len=128)
+  eng = EmbeddedEngine(cfg, params, **ENGINE)
   rng = np.random.default_rng(2)
   reqs = [Request(f"m{i}", rng.integers(0, 256, int(rng.integers(4, 12))).tolist(), 12,
                   seed=i, routed_experts_start=0) for i in range(4)]
@@ -216,20 +221,33 @@ def test_learner_routing_metrics_equal_a_per_record_recomputation(moe, replay):
                     devices=jax.devices()[:1])
   lags = [0, 0, 5, 5]
   m = learner.update(trajs, lags=lags)
-  # Per record: |delta log p| with and without replay, and drifted action positions.
+  # Per record, alone in a row (padding is segment 0, so the record sees only itself; one
+  # compiled length): |delta log p| with and without replay, and drifted action positions.
+  W = 64
+
+  @functools.partial(jax.jit, static_argnums=3)
+  def one(toks, seg, routes, with_routes):
+    h, _, r = decoder.forward(moved, cfg, toks[None], jnp.arange(W)[None], seg[None],
+                              routes=routes[None] if with_routes else None, routing_out=True)
+    return decoder.logits_from_hidden(moved, cfg, h)[0], r.experts[0], r.drift[0]
+
   want = {}
   for t, lag in zip(trajs, lags):
     seq = t.tokens
-    pos = np.arange(len(seq) - 1)[None]
+    n = len(seq) - 1
+    toks, seg = np.zeros(W, np.int32), (np.arange(W) < n).astype(np.int32)
+    toks[:n] = seq[:-1]
+    routes = np.zeros((W, *cfg.routing_shape), np.int32) + np.arange(cfg.num_experts_per_tok)
+    routes[:n] = t.routed_experts
     rows = {}
-    for name, routes in (("with", t.routed_experts[None]), ("without", None)):
-      h, _, r = decoder.forward(moved, cfg, seq[None, :-1], pos, routes=routes, routing_out=True)
-      z = np.asarray(decoder.logits_from_hidden(moved, cfg, h), np.float64)[0]
-      lp = z[np.arange(len(seq) - 1), seq[1:]] - np.log(np.exp(z).sum(-1))
+    for name in ("with", "without"):
+      z, experts, drift_r = one(toks, seg, routes, name == "with")
+      z = np.asarray(z, np.float64)[:n]
+      lp = z[np.arange(n), seq[1:]] - np.log(np.exp(z).sum(-1))
       rows[name] = np.abs(lp[len(t.prompt_tokens) - 1:] - t.behavior_logp)
       if name == ("with" if replay else "without"):
-        drift = np.asarray(r.drift[0]) if replay else np.any(
-            np.sort(np.asarray(r.experts[0]), -1) != np.sort(t.routed_experts, -1), axis=(-2, -1))
+        drift = np.asarray(drift_r)[:n] if replay else np.any(
+            np.sort(np.asarray(experts)[:n], -1) != np.sort(t.routed_experts, -1), axis=(-2, -1))
         rows["drift"] = drift[len(t.prompt_tokens) - 1:]
     bucket = "0" if lag == 0 else "4plus"
     for k, v in rows.items():

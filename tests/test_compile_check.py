@@ -20,7 +20,8 @@ needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
 
 @pytest.mark.parametrize("name,cls", [("qwen2.5-math-1.5b", "Qwen2ForCausalLM"),
                                       ("r1-distill-qwen-1.5b", "Qwen2ForCausalLM"),
-                                      ("qwen2.5-7b-instruct", "Qwen2ForCausalLM")])
+                                      ("qwen2.5-7b-instruct", "Qwen2ForCausalLM"),
+                                      ("qwen3-30b-a3b", "Qwen3MoeForCausalLM")])
 def test_recipe_shapes_count_the_parameters_transformers_counts(name, cls):
   """The shapes a compile check uses have the parameter count transformers builds from the
   same config.json fields (on the meta device: no memory)."""
@@ -38,7 +39,8 @@ def test_recipe_shapes_count_the_parameters_transformers_counts(name, cls):
 
 def test_paper_recipes_name_their_shapes():
   from fr_jax.models import registry
-  for recipe in ("qwen25_math_1p5b", "r1_distill_1p5b_longcot", "qwen25_7b_tool"):
+  for recipe in ("qwen25_math_1p5b", "r1_distill_1p5b_longcot", "qwen25_7b_tool",
+                 "qwen3_30b_a3b_tool"):
     c = importlib.import_module(f"experiments.configs.{recipe}").get_config()
     assert c.model.shapes in registry.SHAPES, recipe
 

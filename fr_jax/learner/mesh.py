@@ -7,13 +7,14 @@
   parameter it belongs to (jit propagates the parameter shardings into optax's init).
 * Experts on the mesh (expert-sharded FSDP). An MoE model's expert stacks (`moe`'s
   experts_gate / experts_up [n, E, D, F], experts_down [n, E, F, D]) are split over `fsdp` on
-  the expert axis E when fsdp divides E: each device stores E / fsdp whole experts (and their
-  Adam moments); otherwise they fall back to the largest-dimension rule. The router [n, D, E]
-  follows the general rule (D for Qwen3-30B-A3B: 2048 > 128). This shards storage only: the
-  tokens are not sent to their experts' devices. Under jit the partitioner gathers each
-  layer's experts onto every device for the grouped `ragged_dot`, as it gathers any FSDP
-  weight, and reduce-scatters their gradient (docs/scale.md, "Experts on the mesh"). Expert
-  parallelism proper (all-to-all token dispatch under shard_map) is not built.
+  the expert axis E when fsdp divides E: each device stores E / fsdp whole experts and their
+  Adam moments; otherwise they fall back to the largest-dimension rule. The router [n, D, E]
+  follows the general rule (D for Qwen3-30B-A3B: 2048 > 128). This shards storage only.
+  Under jit the partitioner all-gathers each layer's experts onto every device, as it does
+  any FSDP weight; the decoder's grouped `ragged_dot` dispatch sorts the whole micro-batch's
+  tokens at once, so the tokens are gathered too and every device runs every token's experts
+  (measured in the compiled HLO: docs/scale.md, "Experts on the mesh", with the fix and what
+  it saves). Expert parallelism proper (all-to-all token dispatch) is not built.
 * Per-trajectory slot arrays ([S]) are replicated: they are tiny.
 
 The update is a jitted function with these shardings; XLA inserts the collectives, so global

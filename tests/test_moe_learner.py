@@ -136,3 +136,10 @@ def test_param_spec_rules():
   assert meshlib.param_spec((4, 6, 64, 32), 8, True, expert_axis=1) == P(None, None, "fsdp",
                                                                          None)
   assert meshlib.param_spec((4, 6, 64, 32), 1, True, expert_axis=1) == P()
+
+
+def test_weight_decay_covers_routers_and_experts_not_norms():
+  from fr_jax.learner import optim
+  mask = optim.decay_mask(registry.load("tiny-qwen3-moe").params)
+  assert all(mask["moe"].values()), mask["moe"]
+  assert mask["layers"]["wq"] and not mask["layers"]["mlp_norm"] and not mask["final_norm"]

@@ -8,11 +8,11 @@ experiment of docs/replication.md ("Mixture of experts") runs it with 3 seeds ea
   python -m launch.train --config=experiments/configs/tiny_moe.py --run_dir=runs/moe_free_s0 \
       --config.model.seed=0 --config.env.seed=0 --config.routing_replay=False
 
-A short supervised warm start (the env's demonstrations) teaches the answer format first; the
-routers are then trained by RL with the rest of the model. In flight: 4 workers x 16 episodes
-for batches of 8, so records wait several updates in the queue: policy lag 4-8 (records older
-than 8 are dropped). Hardware: any CPU; about 8 minutes on 2 cores (most of it the warm
-start, the same for both arms of a seed).
+A supervised warm start (800 steps on the env's imperfect demonstrations) teaches the format
+first; then 60 updates of RL train the routers with the rest of the model. In flight: 4
+workers x 16 episodes for batches of 8, so records wait several updates in the queue: policy
+lag 4-8 (records older than 8 are dropped). Hardware: any CPU. Time: about 10 minutes on 2
+cores (most of it the warm start, the same for both arms of a seed).
 """
 
 from fr_jax import config as rcfg

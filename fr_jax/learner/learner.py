@@ -121,7 +121,8 @@ def compile_update_from_shapes(config: ml_collections.ConfigDict, model_config, 
   rep = meshlib.replicated(mesh)
   stats = obj.BatchStats(*[jax.ShapeDtypeStruct((), jnp.float32, sharding=rep)] * 3)
   fn = _jit_update(step_config(c, model_config), optimizer, lr_schedule, shardings, mesh)
-  return fn.lower(state, None, batch, stats).compile(), mesh
+  with jax.set_mesh(mesh):  # the decoder's per-shard paths read it (decoder._experts)
+    return fn.lower(state, None, batch, stats).compile(), mesh
 
 
 def _collective(method):
@@ -234,7 +235,8 @@ class Learner:
     if key not in self._compiled:
       fn = self._jit_update if kind == "update" else self._jit_accumulate
       t0 = time.perf_counter()
-      exe = fn.lower(*args).compile()
+      with jax.set_mesh(self.mesh):  # the decoder's per-shard paths read it (decoder._experts)
+        exe = fn.lower(*args).compile()
       R, L, _ = b.shape
       flops = self.model_config.train_flops(R, L)
       self._compiled[key] = (exe, flops)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import jax
 import optax
 
-# Weight decay applies to matrices (embeddings, projections), not to norms or biases.
-_DECAYED = {"embed", "lm_head", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}
+# Weight decay applies to matrices (embeddings, projections, an MoE model's routers and
+# experts), not to norms or biases.
+_DECAYED = {"embed", "lm_head", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "router",
+            "experts_gate", "experts_up", "experts_down"}
 
 
 def schedule(ocfg) -> optax.Schedule:

@@ -292,6 +292,42 @@ def _experts_ragged(cfg: ModelConfig, x, mp, idx, w):
   return jnp.einsum("blkd,blk->bld", y, w)
 
 
+EXPERT_WEIGHTS = ("experts_gate", "experts_up", "experts_down")
+
+
+def _experts(cfg: ModelConfig, x, mp, idx, w):
+  """The experts' weighted output [B, L, D] for positions x [B, L, D] choosing idx [B, L, k]
+  with gate weights w [B, L, k], on the path `cfg.moe_impl` picks.
+
+  Under a device mesh (the learner traces its update inside `jax.set_mesh`), the grouped path
+  runs per shard (`jax.shard_map` over the rows, split over every mesh axis as the learner's
+  batches are): each device sorts and runs only its own rows' tokens, with the layer's
+  experts gathered whole onto it as any FSDP weight is (all-gathered over `fsdp` when the
+  learner splits them on the expert axis, `fr_jax.learner.mesh`, so their gradient comes back
+  reduce-scattered). Left to GSPMD, the sort over all positions would gather every device's
+  tokens onto every device and run all of them there (docs/scale.md, "Experts on the
+  mesh")."""
+  impl = "ragged" if cfg.moe_impl == "auto" else cfg.moe_impl
+  fn = _experts_ragged if impl == "ragged" else _experts_dense
+  mesh = jax.sharding.get_abstract_mesh()
+  if impl != "ragged" or mesh.empty or mesh.size == 1 or x.shape[0] % mesh.size:
+    return fn(cfg, x, mp, idx, w)
+  P = jax.sharding.PartitionSpec
+  rows = P(tuple(mesh.axis_names))
+  experts = {k: mp[k] for k in EXPERT_WEIGHTS}
+  split = "fsdp" in mesh.axis_names and cfg.num_experts % mesh.shape["fsdp"] == 0
+
+  def local(x, idx, w, experts):
+    if split:
+      cd = jnp.dtype(cfg.compute_dtype)  # gathered in the matmuls' dtype: half the bytes in bf16
+      experts = {k: jax.lax.all_gather(v.astype(cd), "fsdp", axis=0, tiled=True)
+                 for k, v in experts.items()}
+    return fn(cfg, x, experts, idx, w)
+
+  return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, P("fsdp") if split else P()),
+                       out_specs=rows, check_vma=False)(x, idx, w, experts)
+
+
 def moe_block(cfg: ModelConfig, x, mp, routes=None, valid=None):
   """A sparse layer's feed-forward on normed inputs x [B, L, D] -> (y [B, L, D],
   LayerRouting).
@@ -316,8 +352,7 @@ def moe_block(cfg: ModelConfig, x, mp, routes=None, valid=None):
     drift = jnp.any(jnp.sort(own, axis=-1) != jnp.sort(idx, axis=-1), axis=-1)
   if cfg.norm_topk_prob:
     w = w / jnp.sum(w, axis=-1, keepdims=True)
-  impl = "ragged" if cfg.moe_impl == "auto" else cfg.moe_impl
-  y = (_experts_ragged if impl == "ragged" else _experts_dense)(cfg, x, mp, idx, w)
+  y = _experts(cfg, x, mp, idx, w)
   vf = jnp.ones(x.shape[:2], F32) if valid is None else valid.astype(F32)
   counts = jnp.zeros((cfg.num_experts,), F32).at[idx.reshape(-1)].add(
       jnp.repeat(vf.reshape(-1), k))

@@ -16,10 +16,11 @@ objective). The SGLang server must return the routed experts: launch it with
 (fr_jax/rollout/sglang.py).
 
 Hardware: 16+ accelerators for the learner (fsdp over 16: the 30.5B parameters' f32 weights
-and Adam moments are 366 GB) plus an SGLang fleet. As the decoder dispatches experts today
-(every device runs the whole micro-batch's tokens), the update does not fit a 95 GiB chip at
-one 8k row per device; docs/scale.md ("Experts on the mesh") has the compile checks and the
-fix. Expected time: the paper's 800 steps, days (not measured here). Needs an HF checkpoint.
+and Adam moments are 366 GB) plus an SGLang fleet. The smallest TPU slice whose update fits is
+v5p-16 (8 chips, mesh 1 x 8, one 8k row per chip: 81.4 of 95 GiB per chip, compiled by
+`launch.compile_check --topology=v5p-16 --rows_per_device=1`; docs/scale.md, "Experts on the
+mesh"). Expected time: the paper's 800 steps, days (not measured here). Needs an HF
+checkpoint.
 """
 
 from experiments.configs import _paper

@@ -9,12 +9,11 @@
   experts_gate / experts_up [n, E, D, F], experts_down [n, E, F, D]) are split over `fsdp` on
   the expert axis E when fsdp divides E: each device stores E / fsdp whole experts and their
   Adam moments; otherwise they fall back to the largest-dimension rule. The router [n, D, E]
-  follows the general rule (D for Qwen3-30B-A3B: 2048 > 128). This shards storage only.
-  Under jit the partitioner all-gathers each layer's experts onto every device, as it does
-  any FSDP weight; the decoder's grouped `ragged_dot` dispatch sorts the whole micro-batch's
-  tokens at once, so the tokens are gathered too and every device runs every token's experts
-  (measured in the compiled HLO: docs/scale.md, "Experts on the mesh", with the fix and what
-  it saves). Expert parallelism proper (all-to-all token dispatch) is not built.
+  follows the general rule (D for Qwen3-30B-A3B: 2048 > 128). This shards storage only:
+  each layer's experts are all-gathered onto every device, as any FSDP weight is, and each
+  device runs its own rows' tokens through them (the learner traces under `jax.set_mesh`, and
+  `decoder._experts` runs the grouped dispatch under shard_map; docs/scale.md, "Experts on
+  the mesh"). Expert parallelism proper (all-to-all token dispatch) is not built.
 * Per-trajectory slot arrays ([S]) are replicated: they are tiny.
 
 The update is a jitted function with these shardings; XLA inserts the collectives, so global

@@ -191,7 +191,7 @@ def test_replay_pins_the_recorded_experts_where_the_routers_moved(moe):
   assert replay.mean() < 0.5 * free.mean()
 
 
-@pytest.mark.parametrize("replay", [True, False])
+@pytest.mark.parametrize("replay", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_learner_routing_metrics_equal_a_per_record_recomputation(moe, replay):
   """routing_drift and the with/without-replay mismatch per lag bucket, from the update step,
   against forwards of each record on its own (no packing), with and without its routes."""

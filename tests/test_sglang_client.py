@@ -275,12 +275,13 @@ def test_update_weights_from_disk_with_weight_version(served, tmp_path):
   assert np.abs(np.asarray(old) - full).max() > 1e-2  # the two models are told apart
 
 
-def test_aborted_requests_keep_partial_tokens_and_resume(served, tmp_path):
-  model, server, client = served
+def generate_across_an_update(server, client, tmp_path, **request):
+  """A 120-token request on the stand-in with new weights loaded after 20 decode steps (the
+  pause aborts it; the client resumes it): (completion, k = tokens sampled before)."""
   server.step_delay = 0.01
   new = registry.load("tiny-llama", seed=33)
   save_hf(tmp_path / "v1", new.params, new.config)
-  r = Request("long", [1, 2, 3], max_new_tokens=120, temperature=1.0, seed=4)
+  r = Request("long", [1, 2, 3], max_new_tokens=120, temperature=1.0, seed=4, **request)
   out = []
   t = threading.Thread(target=lambda: out.append(client.generate([r])[0]))
   t.start()
@@ -292,6 +293,12 @@ def test_aborted_requests_keep_partial_tokens_and_resume(served, tmp_path):
   assert len(c.token_ids) == 120 and c.finish_reason == "length"
   k = c.versions.index(1)
   assert 0 < k < 120 and c.versions == [0] * k + [1] * (120 - k)
+  return c, k
+
+
+def test_aborted_requests_keep_partial_tokens_and_resume(served, tmp_path):
+  model, server, client = served
+  c, k = generate_across_an_update(server, client, tmp_path)
   gens = [b for p, b in server.log if p == "/generate"]
   assert len(gens) == 2 and gens[1]["input_ids"] == [1, 2, 3] + c.token_ids[:k]
   assert gens[1]["sampling_params"]["max_new_tokens"] == 120 - k
@@ -451,22 +458,7 @@ def test_stand_in_refuses_routing_up_front_when_the_flag_is_off(served_r3):
 
 def test_stand_in_routing_across_a_weight_update_keeps_each_pieces_experts(served_r3, tmp_path):
   model, server, client = served_r3
-  server.step_delay = 0.01
-  new = registry.load("tiny-llama", seed=33)
-  save_hf(tmp_path / "v1", new.params, new.config)
-  r = Request("long", [1, 2, 3], max_new_tokens=120, temperature=1.0, seed=4,
-              routed_experts_start=1)
-  out = []
-  t = threading.Thread(target=lambda: out.append(client.generate([r])[0]))
-  t.start()
-  while server.steps < 20:
-    time.sleep(0.01)
-  client.update_weights(tmp_path / "v1", 1)
-  t.join(60)
-  (c,) = out
-  assert len(c.token_ids) == 120 and c.finish_reason == "length"
-  k = c.versions.index(1)
-  assert 0 < k < 120 and c.versions == [0] * k + [1] * (120 - k)
+  c, k = generate_across_an_update(server, client, tmp_path, routed_experts_start=1)
   seq = [1, 2, 3] + c.token_ids
   # Positions 1 .. 3 + 120 - 2: those up to the first piece's last token's input under
   # version 0; from that token (fed first by the resumed request) on, version 1.

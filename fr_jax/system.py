@@ -95,7 +95,8 @@ def require_tokenizer(c: ml_collections.ConfigDict, model) -> None:
 
 
 def build_worker(c: ml_collections.ConfigDict, client, model, *, index: int, num_shards: int,
-                 worker_id: str | None = None, params=None, version: int = 0) -> Worker:
+                 worker_id: str | None = None, params=None, version: int = 0,
+                 sample_tag: str | None = None) -> Worker:
   require_tokenizer(c, model)
   env = envs.make(c.env.name, **c.env.kwargs.to_dict())
   engine = build_engine(c, model, params, version)
@@ -103,7 +104,7 @@ def build_worker(c: ml_collections.ConfigDict, client, model, *, index: int, num
                 worker_id=worker_id or f"worker-{index}", shard_index=index,
                 num_shards=num_shards, seed=c.env.seed, inflight=c.rollout.inflight,
                 weights="hf" if c.rollout.engine == "sglang" else "arrays",
-                heartbeat_every_s=c.rollout.heartbeat_every_s)
+                heartbeat_every_s=c.rollout.heartbeat_every_s, sample_tag=sample_tag)
 
 
 @dataclasses.dataclass
@@ -125,8 +126,12 @@ def start_worker_threads(c, service, model, n: int, stop: threading.Event,
     while not stop.is_set() and not service.shutdown.is_set():
       try:
         v, params = service.weights(0)
+        # Samples are drawn from env.seed, the version the worker starts at and its restarts:
+        # a fresh run repeats its draws (`make demo SEED=...`), a resumed or restarted worker
+        # draws new ones.
         w = build_worker(c, LocalClient(service, f"worker-{i}"), model, index=i,
-                         num_shards=n, params=params, version=v)
+                         num_shards=n, params=params, version=v,
+                         sample_tag=f"v{v}.r{restarts}")
         w.run(stop)
         return
       except Exception as e:  # a worker's failure never kills the learner

@@ -29,6 +29,7 @@ def tiny_model():
 # alone at the end. Every worker sorts the same way, as xdist requires.
 LONGEST_FIRST = ("test_learner.py", "test_system.py", "test_gguf_smollm2.py",
                  "test_notebook.py", "test_exactly_once.py", "test_chaos.py", "test_agent.py",
+                 "test_learning.py",
                  "test_device_check.py", "test_multihost.py", "test_sandbox.py",
                  "test_attention.py", "test_weight_relay.py", "test_transport.py",
                  "test_replication.py", "test_sft.py", "test_cluster.py")

@@ -358,3 +358,34 @@ def test_in_process_training_runs_lag_bounded(tmp_path, tiny_model):
   assert [r["step"] for r in rows] == [1, 2, 3]
   assert all(r["policy_lag_max"] <= 1 for r in rows)
   assert math.isfinite(rows[-1]["loss"])
+
+
+def test_in_process_workers_draw_the_same_samples_for_the_same_seed(tiny_model):
+  """A fresh in-process run repeats its draws (`make demo SEED=...`); a worker started
+  without a sample tag (a separate worker process) draws new ones each start."""
+
+  class Collect:  # the worker's client interface, in this process: keeps what is pushed
+    def __init__(self, n):
+      self.n, self.got, self.stop = n, [], threading.Event()
+
+    def heartbeat(self, stats):
+      return None
+
+    def push(self, traj, stop):
+      self.got.append(traj)
+      if len(self.got) >= self.n:
+        self.stop.set()
+
+  c = tiny_run_config(**{"rollout.num_workers": 1})
+
+  def draw(tag):
+    client = Collect(8)
+    w = system.build_worker(c, client, tiny_model, index=0, num_shards=1, sample_tag=tag)
+    w.run(client.stop)
+    return [(t.prompt_id, t.completion_tokens.tolist()) for t in client.got[:8]]
+
+  a, b = draw("v0.r0"), draw("v0.r0")
+  assert a == b
+  assert draw("v0.r1") != a  # a restarted worker: the same prompts, new samples
+  assert draw(None) != a
+  assert [p for p, _ in draw(None)] == [p for p, _ in a]

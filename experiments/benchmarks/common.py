@@ -26,9 +26,21 @@ def timed(fn, repeats: int, warmup: int = 1):
   return statistics.median(ts), ts
 
 
+def cpu_model() -> str:
+  """The CPU's model name (/proc/cpuinfo), or the platform's processor string."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor()
+
+
 def machine() -> dict:
   import jax
-  return {"platform": platform.platform(), "python": platform.python_version(),
+  return {"platform": platform.platform(), "cpu": cpu_model(), "python": platform.python_version(),
           "cpu_count": os.cpu_count(), "jax": jax.__version__,
           "backend": jax.default_backend(), "device": str(jax.devices()[0])}
 

@@ -181,6 +181,7 @@ class Learner:
         lambda p, a, b, st: step.accumulate(p, a, b, st, sc=self.step_config),
         donate_argnums=(1,), out_shardings=(None, meshlib.replicated(self.mesh)))
     self._compiled: dict = {}  # (kind, shape, has_acc) -> (executable, flops)
+    self.compile_s = 0.0  # seconds spent compiling updates (the run summary reports it)
     self.checkpointer = (ckpt.Checkpointer(c.checkpoint.dir, every=c.checkpoint.every,
                                            keep=c.checkpoint.keep,
                                            async_save=c.checkpoint.async_save)
@@ -240,6 +241,7 @@ class Learner:
       R, L, _ = b.shape
       flops = self.model_config.train_flops(R, L)
       self._compiled[key] = (exe, flops)
+      self.compile_s += time.perf_counter() - t0
       log.info("compiled %s for micro-batch %s in %.1fs (%.3g FLOPs)", kind, b.shape,
                time.perf_counter() - t0, flops)
     return self._compiled[key]

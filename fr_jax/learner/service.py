@@ -368,6 +368,8 @@ class LearnerService(Recovery):
           lag_histogram={str(k): self.lag_hist[k] for k in lags},
           learner_idle_fraction=round(s["learner_idle_fraction"], 4),
           startup_wait_s=round(self.startup_wait_s, 2),
+          update_loop_s=round(self.loop_s, 1),
+          learner_compile_s=round(self.learner.compile_s, 1),
           rollout_trajectories_per_s=round(s["arrivals_per_s"], 3),
           rollout_tokens_per_s=round(s["arrival_tokens_per_s"], 1),
           queue_capacity=self.queue.capacity,

@@ -29,7 +29,7 @@ class Worker:
   def __init__(self, client, engine, tokenizer, env, agent_cfg: AgentConfig, *,
                worker_id: str = "worker-0", shard_index: int = 0, num_shards: int = 1,
                seed: int = 0, inflight: int = 8, weights: str = "arrays",
-               heartbeat_every_s: float = 0.0):
+               heartbeat_every_s: float = 0.0, sample_tag: str | None = None):
     if weights not in ("arrays", "hf"):
       raise ValueError(f"weights={weights!r}: choose arrays (embedded) or hf (SGLang)")
     self.client, self.engine, self.env = client, engine, env
@@ -40,6 +40,10 @@ class Worker:
                                   num_shards=num_shards)
     self.tasks = iter(self.dataset)
     self.nonce = uuid.uuid4().hex[:8]  # a restarted worker never reuses trajectory ids
+    # Sampling seeds come from (seed, worker_id, sample_tag, episode number). By default the
+    # tag is the id nonce, so every start samples afresh; an in-process run passes a tag
+    # fixed by its state, so that the same seed draws the same samples run after run.
+    self.sample_tag = self.nonce if sample_tag is None else sample_tag
     self.seed = seed
     self.skipped_prompts = 0
     self._k = 0
@@ -81,7 +85,7 @@ class Worker:
     task = next(self.tasks)
     eps.append(self.loop.start(task))
     self._k += 1
-    seeds.append(stable_hash(f"{self.seed}/{self.worker_id}/{self.nonce}/{self._k}") % 2**31)
+    seeds.append(stable_hash(f"{self.seed}/{self.worker_id}/{self.sample_tag}/{self._k}") % 2**31)
 
   def run(self, stop: threading.Event | None = None) -> int:
     """Produces trajectories until `stop` or the learner's shutdown; returns how many."""

@@ -30,7 +30,9 @@ DOCUMENTED = {
     "cpu_agent": {"20 updates": (lambda c: c.max_updates, 20),
                   # base evaluation, then every eval.every updates through the last
                   "three evaluations": (lambda c: 1 + c.max_updates // c.eval.every, 3)},
-    "cpu_default": {"48 updates": (lambda c: c.max_updates, 48),
+    "cpu_default": {"36 updates of B=32": (lambda c: (c.max_updates, c.batch_size), (36, 32)),
+                    "lr 5e-6": (lambda c: c.optim.lr, 5e-6),
+                    "5-update": (lambda c: round(c.optim.warmup_frac * c.max_updates), 5),
                     "200 test problems": (lambda c: c.eval.n, 200),
                     "two held-out evaluations": (lambda c: c.eval.every, 0)},  # start and end
     "qwen25_7b_tool": {"600 steps": (lambda c: c.max_updates, 600),
@@ -59,7 +61,7 @@ DOCUMENTED = {
                                                         c.rollout.inflight), (4, 16)),
                  "older than 8 are dropped": (lambda c: c.max_policy_lag, 8)},
 }
-SCHEDULE = {"alfworld_like": 200, "cpu_agent": 30, "cpu_default": 48, "qwen25_7b_tool": 600,
+SCHEDULE = {"alfworld_like": 200, "cpu_agent": 30, "cpu_default": 36, "qwen25_7b_tool": 600,
             "qwen25_math_1p5b": 2000, "r1_distill_1p5b_longcot": 6000, "tiny_test": 100,
             "qwen3_30b_a3b_tool": 800, "tiny_moe": 60}
 

@@ -7,11 +7,12 @@ The task is `digits` (copy): the prompt "key: abcd 7" asks for its digit, and an
 by the token limit earns 0. The warm start (`launch.sft.warm_start`, the production SFT, on a
 JSONL file written here as a user's would be) shows the digit first; in half of the
 conversations a run of letters follows it, longer than the turn's 8 tokens. The warm-started
-model therefore copies the digit and then rambles about half of the time: about 30% of
-held-out episodes are right, about 55% are cut. RL (`system.train_in_process`: the embedded
-engine, the agent loop, the learner service, the packed learner and the objective, with
-asynchronous workers at policy lag 1-2) then has two things to learn, each visible in the
-held-out evaluation: stop after the digit (truncation falls) and copy the right digit.
+model therefore copies the digit (not always the right one) and then rambles about half of
+the time: about 52% of held-out episodes are right, about 40% are cut. RL (30 updates of
+`system.train_in_process`: the embedded engine, the agent loop, the learner service, the
+packed learner and the objective, with asynchronous workers at policy lag 1-2) then has two
+things to learn, each visible in the held-out evaluation: stop after the digit (truncation
+falls) and copy the right digit.
 
 `--fault` injects a learner bug after the warm start, in this process only, for the test
 that shows the guard can fail:
@@ -35,7 +36,7 @@ from absl import app, flags
 
 flags.DEFINE_string("out", "", "run directory (required)")
 flags.DEFINE_enum("fault", "", ["", "advantage_sign", "drop_truncated"], "learner bug to inject")
-flags.DEFINE_integer("updates", 20, "RL updates")
+flags.DEFINE_integer("updates", 30, "RL updates")
 flags.DEFINE_integer("seed", 0, "model init, demonstrations, prompts and sampling")
 F = flags.FLAGS
 

@@ -52,13 +52,6 @@ def _spin(stop):
     sum(i * i for i in range(10_000))
 
 
-def _rows(path: str) -> list[dict]:
-  if not os.path.exists(path):
-    return []
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
-
-
 def _peak_rss_mb(proc) -> float:
   """Samples the process tree's resident memory every second until it exits."""
   import psutil
@@ -109,9 +102,10 @@ def run_one(seed: int) -> dict:
                   stderr_tail=open(os.path.join(run_dir, "stderr.log")).read()[-2000:])
   with open(summary_path) as f:
     s = json.load(f)
-  ev = {(r["stage"], r["version"]): r for r in _rows(os.path.join(run_dir, "evals.jsonl"))}
+  from fr_jax.learner.metrics import read_jsonl
+  ev = {(r["stage"], r["version"]): r for r in read_jsonl(os.path.join(run_dir, "evals.jsonl"))}
   start, end = ev[("rl", 0)], ev[("rl", s["version"])]
-  ups = [r for r in _rows(os.path.join(run_dir, "metrics.jsonl")) if "reward_mean" in r]
+  ups = [r for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if "reward_mean" in r]
   first, last = ups[:8], ups[-8:]
   mean = lambda rows, k: round(statistics.fmean(r[k] for r in rows), 4)  # noqa: E731
   learner_s = sum(r["step_time_s"] for r in ups)

@@ -56,6 +56,11 @@ def default_config() -> ml_collections.ConfigDict:
       # in flight then keeps its KV cache between turns (prefix reuse, docs/rollout.md).
       num_slots=8,
       heartbeat_every_s=0.0,  # 0: every round
+      # -1: workers load the newest weights as soon as they are published (the policy lag
+      # follows timing). L >= 0 (launch.train, one worker, embedded engine): the worker samples
+      # with version k - L once it has pushed k batches, waiting for it if it must; a run's
+      # batches are then the same on a busy machine and a quiet one (docs/system.md).
+      fixed_lag=-1,
   ))
   c.eval = ml_collections.ConfigDict(dict(
       n=0,  # launch.train: held-out tasks evaluated (greedy) at the start and the end; 0: none
@@ -109,6 +114,18 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     raise ConfigError("rollout.engine=sglang needs rollout.sglang_url")
   if c.rollout.num_workers < 1 or c.rollout.inflight < 1 or c.rollout.num_slots < 1:
     raise ConfigError("rollout.num_workers, rollout.inflight and rollout.num_slots must be >= 1")
+  if c.rollout.fixed_lag < -1:
+    raise ConfigError(f"rollout.fixed_lag={c.rollout.fixed_lag}: -1 (off) or a lag >= 0")
+  if c.rollout.fixed_lag >= 0 and (
+      c.rollout.num_workers != 1 or c.rollout.engine != "embedded"
+      or c.service.publish_every != 1 or c.service.adaptive_inflight):
+    raise ConfigError(
+        f"rollout.fixed_lag={c.rollout.fixed_lag} needs rollout.num_workers=1, "
+        "rollout.engine=embedded, service.publish_every=1 and service.adaptive_inflight=False "
+        "(each would make the schedule follow timing again)")
+  if 0 <= c.max_policy_lag < c.rollout.fixed_lag:
+    raise ConfigError(f"rollout.fixed_lag={c.rollout.fixed_lag} exceeds max_policy_lag="
+                      f"{c.max_policy_lag}: every trajectory would be dropped as stale")
   if c.service.queue_capacity < c.batch_size * c.minibatches:
     raise ConfigError(f"service.queue_capacity={c.service.queue_capacity} must hold a batch "
                       f"(batch_size*minibatches={c.batch_size * c.minibatches})")

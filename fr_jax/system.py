@@ -52,7 +52,7 @@ def build_service(c: ml_collections.ConfigDict, model=None, *, resume: bool = Tr
       admission_log=str(run / "admission.log") if (admission_log and run) else "",
       dead_letter=str(run / "dead_letter.jsonl") if run else "", log_fsync=s.log_fsync,
       max_producers=s.max_producers, producer_ttl_versions=s.producer_ttl_versions,
-      worker_timeout_s=s.worker_timeout_s,
+      worker_timeout_s=s.worker_timeout_s, keep_versions=max(1, c.rollout.fixed_lag + 1),
       encode=codec.encode_record, decode=codec.decode_record)
   if resume:
     meta = service.restore()
@@ -96,7 +96,7 @@ def require_tokenizer(c: ml_collections.ConfigDict, model) -> None:
 
 def build_worker(c: ml_collections.ConfigDict, client, model, *, index: int, num_shards: int,
                  worker_id: str | None = None, params=None, version: int = 0,
-                 sample_tag: str | None = None) -> Worker:
+                 sample_tag: str | None = None, fixed_lag: int = -1) -> Worker:
   require_tokenizer(c, model)
   env = envs.make(c.env.name, **c.env.kwargs.to_dict())
   engine = build_engine(c, model, params, version)
@@ -104,7 +104,8 @@ def build_worker(c: ml_collections.ConfigDict, client, model, *, index: int, num
                 worker_id=worker_id or f"worker-{index}", shard_index=index,
                 num_shards=num_shards, seed=c.env.seed, inflight=c.rollout.inflight,
                 weights="hf" if c.rollout.engine == "sglang" else "arrays",
-                heartbeat_every_s=c.rollout.heartbeat_every_s, sample_tag=sample_tag)
+                heartbeat_every_s=c.rollout.heartbeat_every_s, sample_tag=sample_tag,
+                fixed_lag=fixed_lag, batch_size=c.batch_size * c.minibatches)
 
 
 @dataclasses.dataclass
@@ -131,7 +132,7 @@ def start_worker_threads(c, service, model, n: int, stop: threading.Event,
         # draws new ones.
         w = build_worker(c, LocalClient(service, f"worker-{i}"), model, index=i,
                          num_shards=n, params=params, version=v,
-                         sample_tag=f"v{v}.r{restarts}")
+                         sample_tag=f"v{v}.r{restarts}", fixed_lag=c.rollout.fixed_lag)
         w.run(stop)
         return
       except Exception as e:  # a worker's failure never kills the learner

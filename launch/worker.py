@@ -43,6 +43,9 @@ def main(argv):
                 f"{FLAGS.num_workers})")
   common.check_client_tls(FLAGS)
   c = common.load_config()
+  if c.rollout.fixed_lag >= 0:
+    common.fail(f"rollout.fixed_lag={c.rollout.fixed_lag} schedules launch.train's in-process "
+                "worker; a worker process loads the newest weights (set it to -1)")
   common.require_tool_isolation(c)
   model = common.load_model(c)
   from fr_jax import system

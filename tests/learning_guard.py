@@ -8,11 +8,17 @@ by the token limit earns 0. The warm start (`launch.sft.warm_start`, the product
 JSONL file written here as a user's would be) shows the digit first; in half of the
 conversations a run of letters follows it, longer than the turn's 8 tokens. The warm-started
 model therefore copies the digit (not always the right one) and then rambles about half of
-the time: about 52% of held-out episodes are right, about 40% are cut. RL (30 updates of
+the time: about 52% of held-out episodes are right, about 40% are cut. RL (40 updates of
 `system.train_in_process`: the embedded engine, the agent loop, the learner service, the
-packed learner and the objective, with asynchronous workers at policy lag 1-2) then has two
-things to learn, each visible in the held-out evaluation: stop after the digit (truncation
-falls) and copy the right digit.
+packed learner and the objective, lr 1e-3 decaying to 1e-4) then has two things to learn,
+each visible in the held-out evaluation: stop after the digit (truncation falls) and copy
+the right digit.
+
+The worker runs at `rollout.fixed_lag=1`: batch k is sampled with version k-1 (batch 0 with
+version 0), waiting for it if it must. Which samples land in which batch, under which
+weights, then does not depend on timing, so a run is the same on a quiet machine and under
+the rest of `make test` (a free-running worker's lag here follows timing, and with it what
+the run learns). Different CPUs can still round differently and draw other samples.
 
 `--fault` injects a learner bug after the warm start, in this process only, for the test
 that shows the guard can fail:
@@ -27,6 +33,7 @@ Prints one JSON line: the held-out evaluation before and after RL (sampled at te
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import os
@@ -36,15 +43,18 @@ from absl import app, flags
 
 flags.DEFINE_string("out", "", "run directory (required)")
 flags.DEFINE_enum("fault", "", ["", "advantage_sign", "drop_truncated"], "learner bug to inject")
-flags.DEFINE_integer("updates", 30, "RL updates")
+flags.DEFINE_integer("updates", 40, "RL updates")
 flags.DEFINE_integer("seed", 0, "model init, demonstrations, prompts and sampling")
+flags.DEFINE_integer("rl_seed", -1, "env.seed (RL prompts and sampling) if >= 0, else --seed")
+flags.DEFINE_multi_string("set", [], "RL config overrides, FIELD=VALUE (Python literals)")
+flags.DEFINE_integer("fixed_lag", 1, "rollout.fixed_lag (-1: the lag follows timing)")
 F = flags.FLAGS
 
 EVAL_N = 200
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
-def config(run_dir: str, updates: int, seed: int):
+def config(run_dir: str, updates: int, seed: int, fixed_lag: int = 1):
   from fr_jax import config as rcfg
   c = rcfg.default_config()
   c.run_dir = run_dir
@@ -66,13 +76,14 @@ def config(run_dir: str, updates: int, seed: int):
   c.max_updates = updates
   c.optim.lr = 1e-3
   c.optim.warmup_frac = 0.0
-  c.optim.min_lr_ratio = 1.0
+  c.optim.min_lr_ratio = 0.1  # cosine to 1e-4: at a constant 1e-3 a run can unlearn late
   c.objective.delta = 0.1  # a tiny model moves far per update (docs/replication.md)
   c.objective.temperature = 1.0
   c.max_policy_lag = 2
   c.packing.row_len = 256
   c.packing.row_buckets = (1, 2)
   c.rollout.num_workers = 1
+  c.rollout.fixed_lag = fixed_lag
   c.rollout.inflight = 16
   c.rollout.num_slots = 16
   c.service.queue_capacity = 16
@@ -127,15 +138,26 @@ def main(argv):
   del argv
   if not F.out:
     raise app.UsageError("--out is required")
+  from fr_jax import config as rcfg
   from fr_jax import envs, sft, system
   from fr_jax.evaluate import evaluate
   from launch.sft import warm_start
   t0 = time.perf_counter()
   os.makedirs(F.out, exist_ok=True)
-  c = config(F.out, F.updates, F.seed)
+  c = config(F.out, F.updates, F.seed, F.fixed_lag)
+  if F.rl_seed >= 0:
+    c.env.seed = F.rl_seed
+  for kv in F.set:
+    k, v = kv.split("=", 1)
+    c.update_from_flattened_dict({k: ast.literal_eval(v)})
+  c = rcfg.validate(c)
   sft.write_jsonl(c.sft.data, demonstrations(2000, F.seed))
   model = system.load_model(c)
-  warm = warm_start(c, model, os.path.join(F.out, "sft"), progress=False)
+  # The warm start takes the run's schedule shape (optim.min_lr_ratio) with sft.lr: keep its
+  # lr constant after the warm-up, as the guard was measured with.
+  sc = c.copy_and_resolve_references()
+  sc.optim.min_lr_ratio = 1.0
+  warm = warm_start(sc, model, os.path.join(F.out, "sft"), progress=False)
   model = dataclasses.replace(model, params=warm.pop("params"))
   env = envs.make(c.env.name, **c.env.kwargs.to_dict())
   keys = ("accuracy", "truncation_rate", "response_length")

@@ -2,20 +2,25 @@
 
 A tiny model is warm-started and then trained with FlashREINFORCE through the production
 path (embedded engine, agent loop, learner service, packed learner, objective; see
-tests/learning_guard.py), and its held-out accuracy must rise and its truncation rate fall
-to a quarter.
+tests/learning_guard.py), and its held-out accuracy must rise by 0.2 and its truncation rate
+fall to a fifth.
 The slow variants inject two learner bugs (a sign error in the advantage; truncated
 trajectories losing their zero reward) and check that the guard fails on each.
 
-Measured (2-core AMD EPYC, 2026-12-02; held-out accuracy and truncation rate, 200 tasks
-sampled at temperature 1). The workers' lag (1 or 2) follows timing here, so results move
-with CPU load, and the thresholds leave room for that:
-* 20 updates, quiet: healthy 0.520 -> 0.810, truncation 0.405 -> 0.000 (about 70 s, 50 s of
-  it the warm start); advantage_sign -> 0.000 / 0.980; drop_truncated -> 0.215 / 0.770.
-* 20 updates under a demo and the rest of `make test`: healthy 0.520 -> 0.605 / 0.010.
-* 30 updates (the guard now), the three runs at once on 2 cores: healthy 0.520 -> 0.690 /
-  0.020; advantage_sign -> 0.000 / 0.975; drop_truncated -> 0.630 / 0.320 (its accuracy
-  rose, but its replies still ran past the limit a third of the time: truncation catches it).
+The worker samples at a fixed policy lag of 1 (`rollout.fixed_lag`), so on one machine a run
+does not depend on timing: the guard measured the same, update for update, quiet and with
+two CPU-spinning processes beside it. (It was first written with a free-running worker, whose
+lag of 1 or 2 followed the load: under the rest of `make test` a healthy run then measured
+truncation 0.405 -> 0.175 and failed.) Another CPU may round differently and draw other
+samples: the thresholds are set from runs at other RL seeds (`--rl_seed`, the prompts and
+samples), which vary at least as much.
+
+Measured (2-core AMD EPYC, 2026-12-02; held-out accuracy / truncation rate, 200 tasks sampled
+at temperature 1; 40 updates; warm start 0.520 / 0.405):
+* healthy, RL seeds 0-3: 0.880 / 0.000, 0.860 / 0.000, 0.840 / 0.000, 0.865 / 0.030;
+* drop_truncated, RL seeds 0-1: 0.750 / 0.165, 0.465 / 0.480 (seed 0 gains accuracy, but a
+  sixth of its replies still run past the limit: truncation catches it);
+* advantage_sign: see the note of issue 31 (accuracy falls to 0, truncation to 0.99).
 """
 
 import json
@@ -42,25 +47,23 @@ def learning_failures(r: dict) -> list[str]:
   """What a run that learned would not show (empty: it learned)."""
   s, e = r["start"], r["end"]
   out = []
-  if e["accuracy"] < s["accuracy"] + 0.05:
+  if e["accuracy"] < s["accuracy"] + 0.2:
     out.append(f"held-out accuracy {s['accuracy']:.3f} -> {e['accuracy']:.3f}: gained less "
-               "than 0.05")
-  if e["truncation_rate"] > 0.25 * s["truncation_rate"]:
+               "than 0.2")
+  if e["truncation_rate"] > 0.2 * s["truncation_rate"]:
     out.append(f"held-out truncation {s['truncation_rate']:.3f} -> {e['truncation_rate']:.3f}"
-               ": did not fall to a quarter")
+               ": did not fall to a fifth")
   return out
 
 
-# Slow for now: in this tiny setup the workers' lag (1 or 2) follows timing, and under the
-# other xdist worker's load a healthy run measured truncation 0.405 -> 0.175, short of the
-# quarter. It goes back into `make test` once its schedule is deterministic (issue 31).
-@pytest.mark.slow
 def test_rl_raises_held_out_accuracy(tmp_path):
   r = learning_run(tmp_path)
   print(json.dumps({k: r[k] for k in ("start", "end", "sft_s", "rl_s")}))
   # The warm start leaves room to learn: it copies the digit, then rambles past the limit.
   assert 0.1 <= r["start"]["accuracy"] <= 0.65 and r["start"]["truncation_rate"] >= 0.3
-  assert r["updates"] == 30
+  assert r["updates"] == 40
+  # The fixed lag: batch 0 at lag 0, every later one at lag 1.
+  assert [c["policy_lag_mean"] for c in r["curve"]] == [0.0] + [1.0] * 39
   assert learning_failures(r) == []
 
 

@@ -7,6 +7,7 @@ import math
 import subprocess
 import sys
 import threading
+import time
 
 import grpc
 import jax
@@ -389,3 +390,72 @@ def test_in_process_workers_draw_the_same_samples_for_the_same_seed(tiny_model):
   assert draw("v0.r1") != a  # a restarted worker: the same prompts, new samples
   assert draw(None) != a
   assert [p for p, _ in draw(None)] == [p for p, _ in a]
+
+
+def test_published_versions_are_kept_by_number_for_a_fixed_lag(tiny_model):
+  """`rollout.fixed_lag=L` keeps the last L+1 published versions, each under its number."""
+  c = tiny_run_config(**{"rollout.num_workers": 1, "rollout.fixed_lag": 1})
+  learner, service = system.build_service(c, tiny_model)
+  try:
+    for v in (1, 2):  # as if the learner had updated
+      service._version = v
+      service.publish()
+    assert service.weights(0)[0] == 2
+    assert service.weights_at(0) == ("gone", None)
+    assert [service.weights_at(v)[0] for v in (1, 2, 3)] == ["ok", "ok", "not_yet"]
+    ok = service.weights_at(2)[1]
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), ok,
+                                     service.weights(0)[1]))
+    service._version = 1  # a restored learner publishes an older version again
+    service.publish()
+    assert service.weights(0)[0] == 1 and service.weights_at(2) == ("not_yet", None)
+  finally:
+    service.close()
+    learner.close()
+
+
+def test_fixed_lag_configs_are_checked():
+  for over, match in (({"rollout.num_workers": 2}, "num_workers=1"),
+                      ({"service.publish_every": 2}, "publish_every=1"),
+                      ({"max_policy_lag": 0}, "exceeds max_policy_lag")):
+    c = tiny_run_config(**{"rollout.num_workers": 1, "rollout.fixed_lag": 1, **over})
+    with pytest.raises(rcfg.ConfigError, match=match):
+      rcfg.validate(c)
+
+
+def test_a_worker_process_refuses_a_fixed_lag():
+  r = subprocess.run([sys.executable, "-m", "launch.worker",
+                      "--config=experiments/configs/tiny_test.py", "--learner=127.0.0.1:1",
+                      "--config.rollout.fixed_lag=1", "--config.rollout.num_workers=1"],
+                     capture_output=True, text=True, timeout=120)
+  assert r.returncode == 2 and "in-process worker" in r.stderr, r.stderr[-2000:]
+
+
+def test_fixed_lag_runs_do_not_depend_on_timing(tmp_path, tiny_model, monkeypatch):
+  """At rollout.fixed_lag=1 the worker samples batch k with version k-1 whatever the timing:
+  a run whose worker is slowed at every push trains on the same batches, update for update.
+  (A free-running worker, fixed_lag=-1, samples batch 3 at lag 2 here, and at lag 1 when
+  slowed.)"""
+  from fr_jax.learner.metrics import read_jsonl
+  keys = ("loss", "reward_mean", "response_length", "policy_lag_mean", "policy_lag_max",
+          "grad_norm")
+  push = LocalClient.push
+
+  def run(name, push_delay=0.0):
+    def slow_push(self, traj, stop=None):
+      time.sleep(push_delay)
+      return push(self, traj, stop)
+
+    monkeypatch.setattr(LocalClient, "push", slow_push)
+    c = tiny_run_config(tmp_path / name, max_updates=4, max_policy_lag=4, **{
+        "rollout.num_workers": 1, "rollout.fixed_lag": 1, "agent.max_turns": 1,
+        "rollout.inflight": 4, "service.queue_capacity": 4, "checkpoint.every": 100})
+    s = system.train_in_process(c, model=tiny_model)
+    assert s["updates"] == 4 and not s["worker_errors"]
+    return [{k: r[k] for k in keys} for r in read_jsonl(tmp_path / name / "metrics.jsonl")
+            if "loss" in r]
+
+  quiet = run("quiet")
+  # Batch 0 is sampled with version 0 and used at version 0; batch k with k-1, used at k.
+  assert [r["policy_lag_max"] for r in quiet] == [0, 1, 1, 1]
+  assert run("slow_worker", push_delay=0.1) == quiet

@@ -3,30 +3,36 @@
 Updates donate the live parameter buffers, so a published version is a copy
 (`Learner.snapshot_params`: on device, or in host memory when the learner spans processes),
 taken between updates and handed out by version (`weights(min_version)`), never the live state.
+With `keep` > 1 the last `keep` versions stay available by number (`weights_at`), for a
+worker that samples at a fixed lag (`rollout.fixed_lag`).
 With an HF export directory each publication is also written as HF safetensors for SGLang
 fleets (`vNNNNNNNN`, the last two kept).
 """
 
 from __future__ import annotations
 
+import collections
 import shutil
 import threading
 from pathlib import Path
 
 
 class Publisher:
-  def __init__(self, learner, hf_export_dir: str = ""):
+  def __init__(self, learner, hf_export_dir: str = "", keep: int = 1):
+    if keep < 1:
+      raise ValueError(f"keep={keep}: at least the newest version is kept")
     self.learner = learner
     self.hf_export_dir = hf_export_dir
     self.hf_dir = ""  # the newest export, for SGLang fleets
     self._lock = threading.Lock()
-    self._published: tuple[int, object] = (-1, None)
+    self._kept: collections.OrderedDict = collections.OrderedDict()  # version -> params
+    self.keep = keep
 
   @property
   def version(self) -> int:
     """The published version (-1 before the first publication)."""
     with self._lock:
-      return self._published[0]
+      return next(reversed(self._kept), -1)
 
   def publish(self, version: int) -> None:
     """Snapshots the learner's current parameters as `version` (call between updates)."""
@@ -38,10 +44,22 @@ class Publisher:
       for old in sorted(Path(self.hf_export_dir).glob("v*"))[:-2]:  # keep the last two
         shutil.rmtree(old, ignore_errors=True)
     with self._lock:
-      self._published = (version, params)
+      for v in [v for v in self._kept if v >= version]:  # a restored learner went back
+        del self._kept[v]
+      self._kept[version] = params
+      while len(self._kept) > self.keep:
+        self._kept.popitem(last=False)
 
   def weights(self, min_version: int = 0):
     """(version, params) of the published weights if version >= min_version, else None."""
     with self._lock:
-      v, p = self._published
+      v, p = next(reversed(self._kept.items()), (-1, None))
     return (v, p) if v >= min_version else None
+
+  def weights_at(self, version: int):
+    """(status, params): ("ok", the params published as `version`), ("not_yet", None)
+    before it is published, or ("gone", None) once it is older than the last `keep`."""
+    with self._lock:
+      if version in self._kept:
+        return "ok", self._kept[version]
+      return ("not_yet" if version > next(reversed(self._kept), -1) else "gone"), None

@@ -61,21 +61,22 @@ class LearnerService(Recovery):
 
   `encode`/`decode` turn a Trajectory into the bytes the log and dead-letter file keep and
   back (the transport's codec); `admission_log` and `dead_letter` are file paths ("" keeps
-  none: in-process runs, whose workers die with the learner)."""
+  none: in-process runs, whose workers die with the learner). `keep_versions` published
+  versions stay available by number (`weights_at`: a worker at a fixed lag)."""
 
   def __init__(self, learner, *, queue_capacity: int = 256, max_lag: int = -1,
                publish_every: int = 1, hf_export_dir: str = "", inflight: int = 0,
                controller: InflightController | None = None, max_length: int | None = None,
                admission_log: str = "", dead_letter: str = "", log_fsync: bool = True,
                max_producers: int = 65536, producer_ttl_versions: int = 100,
-               worker_timeout_s: float = 300.0,
+               worker_timeout_s: float = 300.0, keep_versions: int = 1,
                encode: Callable | None = None, decode: Callable | None = None):
     self.learner = learner
     self.B = learner.config.batch_size * learner.config.minibatches
     self.queue = TrajectoryQueue(queue_capacity)
     self.max_lag = int(max_lag)
     self.publish_every = max(1, int(publish_every))
-    self.publisher = Publisher(learner, hf_export_dir)
+    self.publisher = Publisher(learner, hf_export_dir, keep=keep_versions)
     self.controller = controller
     self.inflight = controller.value if controller else int(inflight)
     # Records are validated once, here, with one length limit: the run's (the agent's
@@ -127,6 +128,10 @@ class LearnerService(Recovery):
   def weights(self, min_version: int = 0):
     """(version, params) of the published weights if version >= min_version, else None."""
     return self.publisher.weights(min_version)
+
+  def weights_at(self, version: int):
+    """("ok", params) of exactly `version`, or ("not_yet" | "gone", None) (`Publisher`)."""
+    return self.publisher.weights_at(version)
 
   @property
   def hf_dir(self) -> str:

@@ -10,6 +10,12 @@ HF directory through `update_weights_from_disk` for an SGLang fleet). Tokens car
 version that sampled them, so a trajectory that spans an update records both.
 While the learner is unreachable, the worker keeps its finished trajectories (bounded by the
 client's outbox) and retries with backoff.
+
+At a fixed lag L (`fixed_lag`, in-process, one worker) the worker does not chase the newest
+weights: once it has pushed k batches' worth of trajectories it loads exactly version
+k - L (counted from the version it started at), waiting for the learner if it must. Which
+samples land in which batch, under which weights, then no longer depends on timing: the run
+is the same on a quiet machine and a busy one.
 """
 
 from __future__ import annotations
@@ -29,9 +35,14 @@ class Worker:
   def __init__(self, client, engine, tokenizer, env, agent_cfg: AgentConfig, *,
                worker_id: str = "worker-0", shard_index: int = 0, num_shards: int = 1,
                seed: int = 0, inflight: int = 8, weights: str = "arrays",
-               heartbeat_every_s: float = 0.0, sample_tag: str | None = None):
+               heartbeat_every_s: float = 0.0, sample_tag: str | None = None,
+               fixed_lag: int = -1, batch_size: int = 0):
     if weights not in ("arrays", "hf"):
       raise ValueError(f"weights={weights!r}: choose arrays (embedded) or hf (SGLang)")
+    if fixed_lag >= 0 and (batch_size < 1 or weights != "arrays"
+                           or not hasattr(client, "weights_at")):
+      raise ValueError("fixed_lag needs batch_size >= 1, the embedded engine (weights as "
+                       "arrays) and an in-process client (versions by number)")
     self.client, self.engine, self.env = client, engine, env
     self.loop = AgentLoop(engine, tokenizer, env, agent_cfg)
     self.worker_id, self.weights_mode = worker_id, weights
@@ -53,6 +64,10 @@ class Worker:
     self.heartbeat_every_s = heartbeat_every_s
     self._last_hb = 0.0
     self.shutdown = False
+    self.fixed_lag, self.batch_size = fixed_lag, batch_size
+    self.base_version = engine.version
+    self.pushed = 0  # trajectories handed to the client (the fixed-lag schedule counts them)
+    self.waited_s = 0.0  # time spent waiting for the schedule's version
 
   def _stats(self, live: int) -> dict:
     return dict(engine_version=self.engine.version, trajectories=self.produced,
@@ -70,6 +85,8 @@ class Worker:
     self.shutdown = bool(hb["shutdown"])
     if hb.get("inflight_target"):
       self.inflight = int(hb["inflight_target"])
+    if self.fixed_lag >= 0:
+      return  # the schedule loads weights (`_load_scheduled`)
     if hb["version"] != self.engine.version:  # newer, or older after a learner restart
       if self.weights_mode == "hf":
         if hb["hf_dir"]:
@@ -93,6 +110,8 @@ class Worker:
     eps, seeds = [], []
     while not stop.is_set() and not self.shutdown:
       self.sync(len(eps))
+      if self.fixed_lag >= 0 and not self._load_scheduled(stop):
+        break
       while len(eps) < self.inflight:
         self._new_episode(eps, seeds)
       self.loop.step(eps, seeds)
@@ -103,6 +122,36 @@ class Worker:
       eps = [e for e in eps if not e.done]
     return self.produced
 
+  def _load_scheduled(self, stop: threading.Event) -> bool:
+    """At a fixed lag: loads the version the schedule asks for now, waiting until the learner
+    publishes it. False when stopped while waiting."""
+    target = max(self.base_version,
+                 self.base_version + self.pushed // self.batch_size - self.fixed_lag)
+    if target == self.engine.version:
+      return True
+    t0 = time.perf_counter()
+    while True:
+      status, params = self.client.weights_at(target)
+      if status == "ok":
+        break
+      if status == "gone":  # the learner is ahead of the schedule (records replayed after a
+        got = self.client.get_weights(target)  # restart): the newest, and on from there
+        if got is not None:
+          log.warning("%s: version %d is no longer kept (the learner is at %d, ahead of the "
+                      "schedule); the fixed lag counts on from %d", self.worker_id, target,
+                      got[0], got[0])
+          target, params = got[0], got[1]
+          self.base_version = target - self.pushed // self.batch_size + self.fixed_lag
+          break
+      hb = self.client.heartbeat(self._stats(0))
+      if stop.is_set() or (hb is not None and hb["shutdown"]):
+        return False
+      time.sleep(0.005)
+    self.waited_s += time.perf_counter() - t0
+    self.engine.update_weights(params, target)
+    log.info("%s: weights -> version %d (fixed lag %d)", self.worker_id, target, self.fixed_lag)
+    return True
+
   def _finish(self, ep, stop) -> None:
     """Streams a finished episode's trajectory (one that could not generate is skipped)."""
     t = self.loop.trajectory(ep)
@@ -111,6 +160,7 @@ class Worker:
     self.tokens += t.num_action_tokens
     if t.num_action_tokens:
       self.client.push(t, stop)
+      self.pushed += 1
       return
     self.skipped_prompts += 1
     if self.skipped_prompts in (1, 100, 10_000):

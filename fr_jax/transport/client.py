@@ -69,6 +69,9 @@ class LocalClient:
     got = self.service.weights(min_version)
     return None if got is None else (got[0], got[1], self.service.hf_dir)
 
+  def weights_at(self, version: int):
+    return self.service.weights_at(version)
+
   def heartbeat(self, stats: dict) -> dict | None:
     return self.service.heartbeat(self.worker_id, stats)
 

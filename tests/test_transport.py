@@ -423,6 +423,44 @@ def test_fixed_lag_configs_are_checked():
       rcfg.validate(c)
 
 
+def test_a_fixed_lag_worker_follows_its_schedule_and_recovers_when_the_learner_is_ahead(
+    tiny_model):
+  """The schedule asks for version (pushed // B) - L; a version the learner no longer keeps
+  (it is ahead, as after records were replayed at a restart) makes the worker load the newest
+  and count on from there."""
+
+  class Versions:  # the in-process client's interface: versions 0-9 published, 0-3 gone
+    def __init__(self):
+      self.asked, self.loaded, self.got, self.stop = [], [], [], threading.Event()
+
+    def heartbeat(self, stats):
+      return None
+
+    def weights_at(self, v):
+      self.asked.append(v)
+      return ("gone", None) if v < 4 else ("ok", tiny_model.params)
+
+    def get_weights(self, min_version):
+      return 9, tiny_model.params, ""
+
+    def push(self, traj, stop):
+      self.got.append(traj)
+      self.loaded.append(w.engine.version)
+      if len(self.got) >= 12:
+        self.stop.set()
+
+  c = tiny_run_config(**{"rollout.num_workers": 1, "rollout.fixed_lag": 1, "agent.max_turns": 1,
+                         "rollout.inflight": 2, "batch_size": 2})
+  client = Versions()
+  w = system.build_worker(c, client, tiny_model, index=0, num_shards=1, sample_tag="t",
+                          fixed_lag=1)
+  w.run(client.stop)
+  # Batches 0 and 1 (pushes 0-3) at version 0; then version 1 is asked for and gone: the
+  # newest (9) serves batch 2, and batch k after it version 9 + (k - 2).
+  assert client.asked == [1, 10, 11, 12]
+  assert client.loaded == [0] * 4 + [9] * 2 + [10] * 2 + [11] * 2 + [12] * 2
+
+
 def test_a_worker_process_refuses_a_fixed_lag():
   r = subprocess.run([sys.executable, "-m", "launch.worker",
                       "--config=experiments/configs/tiny_test.py", "--learner=127.0.0.1:1",

@@ -67,7 +67,6 @@ class Worker:
     self.fixed_lag, self.batch_size = fixed_lag, batch_size
     self.base_version = engine.version
     self.pushed = 0  # trajectories handed to the client (the fixed-lag schedule counts them)
-    self.waited_s = 0.0  # time spent waiting for the schedule's version
 
   def _stats(self, live: int) -> dict:
     return dict(engine_version=self.engine.version, trajectories=self.produced,
@@ -129,7 +128,6 @@ class Worker:
                  self.base_version + self.pushed // self.batch_size - self.fixed_lag)
     if target == self.engine.version:
       return True
-    t0 = time.perf_counter()
     while True:
       status, params = self.client.weights_at(target)
       if status == "ok":
@@ -147,7 +145,6 @@ class Worker:
       if stop.is_set() or (hb is not None and hb["shutdown"]):
         return False
       time.sleep(0.005)
-    self.waited_s += time.perf_counter() - t0
     self.engine.update_weights(params, target)
     log.info("%s: weights -> version %d (fixed lag %d)", self.worker_id, target, self.fixed_lag)
     return True

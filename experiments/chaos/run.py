@@ -12,8 +12,9 @@ times:
 * learner SIGKILLs, half of them the moment an update's metrics row appears (its checkpoint
   save still in flight), half at random; the learner is restarted with the same command;
 * worker faults: a SIGKILL and restart of a random worker, or a cut of every connection;
-* full-disk windows: for `--enospc_s` (2 s) every admission-log append writes half a frame
-  and fails with ENOSPC (the `admission_log_enospc` point of `fr_jax.faults`);
+* full-disk windows: for `--enospc_s` (2 s), and then until at least one append has been
+  refused (60 s more at most), every admission-log append writes half a frame and fails with
+  ENOSPC (the `admission_log_enospc` point of `fr_jax.faults`);
 * poison rounds: four records from a hostile client, three the validator must refuse (a
   reward beyond float32, a token past the vocabulary, a behaviour log-prob of -1e30) and one
   it admits (reward 3e38) whose update is non-finite and must be quarantined.
@@ -54,13 +55,15 @@ flags.DEFINE_integer("learner_kills", 24, "learner SIGKILLs")
 flags.DEFINE_integer("worker_faults", 60, "worker SIGKILLs plus connection cuts")
 flags.DEFINE_float("worker_kill_fraction", 0.4, "share of worker faults that are SIGKILLs")
 flags.DEFINE_integer("enospc_windows", 10, "full-disk windows on the admission log")
-flags.DEFINE_float("enospc_s", 2.0, "how long each full-disk window lasts")
+flags.DEFINE_float("enospc_s", 2.0, "how long each full-disk window lasts at least (it stays "
+                   "open until an append has been refused, at most 60 s more)")
 flags.DEFINE_integer("poison_rounds", 20, "rounds of four poison records")
 flags.DEFINE_integer("seed", 0, "fault schedule seed")
 flags.DEFINE_string("config", "experiments/configs/tiny_test.py", "experiment config")
 flags.DEFINE_string("run_dir", "", "where the run writes (default: a fresh temporary dir)")
 flags.DEFINE_bool("keep", True, "keep run_dir afterwards")
 FLAGS = flags.FLAGS
+ENOSPC_BOUND_S = 60.0  # how much longer than --enospc_s a full-disk window may wait for an append
 
 def note(msg: str) -> None:
   print(f"[chaos {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
@@ -349,16 +352,27 @@ def main(argv):
         cluster.proxy.cut()
         faults["connection_cut"] += 1
     elif kind == "enospc":
+      # The disk stays full for --enospc_s and then until an append has been refused (no
+      # append may fall in a short window while the learner restarts), within a bound.
       flag = cluster.faults_dir / "admission_log_enospc"
-      before = poisoner.stats() or {}
+      def failures():
+        return (poisoner.stats() or {}).get("log_write_failures", 0)
+
+      base, refused = failures(), 0
       flag.touch()
-      time.sleep(FLAGS.enospc_s)
+      t_full = time.monotonic()
+      while True:
+        time.sleep(0.2)
+        n = failures()
+        if n < base:  # the learner restarted: its counter starts again at 0
+          base = n
+        refused = max(refused, n - base)
+        if (time.monotonic() - t_full >= FLAGS.enospc_s and refused) or \
+           time.monotonic() - t_full >= FLAGS.enospc_s + ENOSPC_BOUND_S:
+          break
       flag.unlink()
-      after = poisoner.stats() or {}
       faults["enospc_window"] += 1
-      if after.get("log_write_failures", 0) >= before.get("log_write_failures", 0):
-        enospc_failures.append(after.get("log_write_failures", 0) -
-                               before.get("log_write_failures", 0))
+      enospc_failures.append(refused)
     elif kind == "poison":
       faults["poison_round"] += poisoner.round()
     note(f"{time.monotonic() - t0:6.1f}s {kind}; {dict(faults)}; version "

@@ -24,6 +24,13 @@ def tiny_model():
   return registry.load("tiny-chat")
 
 
+@pytest.fixture(scope="session")
+def smol_tokenizer():
+  """SmolLM2-135M-Instruct's tokenizer, from the GGUF's metadata: no weights are read."""
+  from fr_jax.models import registry
+  return registry.describe("smollm2-135m-instruct").tokenizer
+
+
 # The longest files first (measured totals, longest first): `make test` runs files whole on 2
 # xdist workers, handed out in collection order, so a long file collected last would run
 # alone at the end. Every worker sorts the same way, as xdist requires.

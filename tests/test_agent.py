@@ -29,8 +29,8 @@ class ScriptedEngine:
 
 
 @pytest.fixture(scope="module")
-def tok():
-  return registry.load("smollm2-135m-instruct").tokenizer
+def tok(smol_tokenizer):
+  return smol_tokenizer
 
 
 def test_parse_tool_call():

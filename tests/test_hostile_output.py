@@ -14,7 +14,6 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from fr_jax import envs
-from fr_jax.models import registry
 from fr_jax.models.tokenizer import _BYTE_OF, _QWEN2_PAT, Tokenizer
 from fr_jax.rollout.agent import AgentConfig, AgentLoop, parse_tool_call
 from tests.test_agent import ScriptedEngine
@@ -108,8 +107,8 @@ def qwen25_style_tokenizer() -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-  return registry.load("smollm2-135m-instruct").tokenizer
+def smollm2(smol_tokenizer):
+  return smol_tokenizer
 
 
 @pytest.fixture(params=["smollm2", "qwen25_style"])

@@ -46,8 +46,8 @@ def _rollout(tok, env, task, turns, template="chatml", max_turns=4):
 
 
 @pytest.fixture(scope="module")
-def smol_tok():
-  return registry.load("smollm2-135m-instruct").tokenizer
+def smol_tok(smol_tokenizer):
+  return smol_tokenizer
 
 
 @pytest.mark.parametrize("template", ["chatml", "model"])

@@ -17,6 +17,9 @@ by about lr on a 16-sample gradient) pushed the policy so far that the trust gat
 most short replies at updates 2-6, and on some seeds the sample-mean objective then drifted to
 long, truncated replies (+8.5 points instead of +18.5). At lr 1e-5 the gate rejected 25-50%
 all along at the demo's policy lag of 2; at 5e-6 it admits about 92%.
+
+The worker samples at a fixed lag of 2 (`rollout.fixed_lag`): the same seed trains on the
+same batches on a busy machine, a quiet one or a faster one.
 """
 
 from fr_jax import config as rcfg
@@ -44,6 +47,8 @@ def get_config():
   c.rollout.num_workers = 1
   c.rollout.inflight = 32
   c.rollout.num_slots = 32
+  c.rollout.fixed_lag = 2  # batch k sampled with version k-2, as the free-running worker
+  # did in every measured run (the learner is the bottleneck), now whatever the timing
   c.max_policy_lag = 2
   c.service.queue_capacity = 32
   c.checkpoint.every = 4

@@ -16,7 +16,7 @@ AGENT_DIR ?= runs/agent
 REPLICATION_DIR ?= runs/replication
 
 help:
-	@echo "make demo      install .venv if needed, train SmolLM2-135M on arithmetic (~13 min, CPU)"
+	@echo "make demo      install .venv if needed, train SmolLM2-135M on arithmetic (13-19 min, CPU)"
 	@echo "               SEED=n: another seed (prompts and samples); docs/demo.md"
 	@echo "make demo-agent  SmolLM2 learns when to call the Python tool: SFT warm start, then"
 	@echo "               FlashREINFORCE, evaluated per difficulty (~40 min, CPU)"

@@ -96,7 +96,7 @@ def require_tokenizer(c: ml_collections.ConfigDict, model) -> None:
 
 def build_worker(c: ml_collections.ConfigDict, client, model, *, index: int, num_shards: int,
                  worker_id: str | None = None, params=None, version: int = 0,
-                 sample_tag: str | None = None, fixed_lag: int = -1) -> Worker:
+                 sample_tag: str | None = None) -> Worker:
   require_tokenizer(c, model)
   env = envs.make(c.env.name, **c.env.kwargs.to_dict())
   engine = build_engine(c, model, params, version)
@@ -105,7 +105,7 @@ def build_worker(c: ml_collections.ConfigDict, client, model, *, index: int, num
                 num_shards=num_shards, seed=c.env.seed, inflight=c.rollout.inflight,
                 weights="hf" if c.rollout.engine == "sglang" else "arrays",
                 heartbeat_every_s=c.rollout.heartbeat_every_s, sample_tag=sample_tag,
-                fixed_lag=fixed_lag, batch_size=c.batch_size * c.minibatches)
+                fixed_lag=c.rollout.fixed_lag, batch_size=c.batch_size * c.minibatches)
 
 
 @dataclasses.dataclass
@@ -132,7 +132,7 @@ def start_worker_threads(c, service, model, n: int, stop: threading.Event,
         # draws new ones.
         w = build_worker(c, LocalClient(service, f"worker-{i}"), model, index=i,
                          num_shards=n, params=params, version=v,
-                         sample_tag=f"v{v}.r{restarts}", fixed_lag=c.rollout.fixed_lag)
+                         sample_tag=f"v{v}.r{restarts}")
         w.run(stop)
         return
       except Exception as e:  # a worker's failure never kills the learner

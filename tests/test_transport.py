@@ -452,8 +452,7 @@ def test_a_fixed_lag_worker_follows_its_schedule_and_recovers_when_the_learner_i
   c = tiny_run_config(**{"rollout.num_workers": 1, "rollout.fixed_lag": 1, "agent.max_turns": 1,
                          "rollout.inflight": 2, "batch_size": 2})
   client = Versions()
-  w = system.build_worker(c, client, tiny_model, index=0, num_shards=1, sample_tag="t",
-                          fixed_lag=1)
+  w = system.build_worker(c, client, tiny_model, index=0, num_shards=1, sample_tag="t")
   w.run(client.stop)
   # Batches 0 and 1 (pushes 0-3) at version 0; then version 1 is asked for and gone: the
   # newest (9) serves batch 2, and batch k after it version 9 + (k - 2).

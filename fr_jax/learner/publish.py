@@ -32,7 +32,11 @@ class Publisher:
   def version(self) -> int:
     """The published version (-1 before the first publication)."""
     with self._lock:
-      return next(reversed(self._kept), -1)
+      return self._newest()[0]
+
+  def _newest(self):
+    """(version, params) of the newest publication, (-1, None) before the first (locked)."""
+    return next(reversed(self._kept.items()), (-1, None))
 
   def publish(self, version: int) -> None:
     """Snapshots the learner's current parameters as `version` (call between updates)."""
@@ -53,7 +57,7 @@ class Publisher:
   def weights(self, min_version: int = 0):
     """(version, params) of the published weights if version >= min_version, else None."""
     with self._lock:
-      v, p = next(reversed(self._kept.items()), (-1, None))
+      v, p = self._newest()
     return (v, p) if v >= min_version else None
 
   def weights_at(self, version: int):
@@ -62,4 +66,4 @@ class Publisher:
     with self._lock:
       if version in self._kept:
         return "ok", self._kept[version]
-      return ("not_yet" if version > next(reversed(self._kept), -1) else "gone"), None
+      return ("not_yet" if version > self._newest()[0] else "gone"), None

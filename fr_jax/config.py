@@ -26,6 +26,9 @@ ENGINES = ("embedded", "sglang")
 def default_config() -> ml_collections.ConfigDict:
   c = lcfg.default_config()
   c.run_dir = ""  # metrics.jsonl, TensorBoard, checkpoints/, exports/; empty: nothing written
+  # Compiled programs kept between runs (fr_jax.compile_cache): "auto" is
+  # JAX_COMPILATION_CACHE_DIR or ~/.cache/fr_jax/xla; a path; "off".
+  c.compile_cache_dir = "auto"
   c.env = ml_collections.ConfigDict(dict(
       name="arithmetic",  # arithmetic | tool_arithmetic | countdown | textworld | digits
       kwargs=ml_collections.ConfigDict(),  # constructor settings, e.g. difficulty=2

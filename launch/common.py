@@ -24,7 +24,9 @@ class UsageError(Exception):
 
 
 def load_config():
-  """The validated config with --run_dir applied; exits with one line on a config error."""
+  """The validated config with --run_dir applied; exits with one line on a config error.
+  Points JAX at the config's compilation cache (`fr_jax.compile_cache`) before anything
+  compiles."""
   from fr_jax import config as rcfg
   try:
     c = CONFIG.value
@@ -37,9 +39,12 @@ def load_config():
   if flags.FLAGS.run_dir is not None:
     c.run_dir = flags.FLAGS.run_dir
   try:
-    return rcfg.resolve_dirs(rcfg.validate(c))
+    c = rcfg.resolve_dirs(rcfg.validate(c))
   except rcfg.ConfigError as e:
     fail(f"config error: {e}")
+  from fr_jax import compile_cache
+  compile_cache.configure(c.compile_cache_dir)
+  return c
 
 
 def require_tool_isolation(c) -> str:

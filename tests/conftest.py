@@ -5,6 +5,14 @@ import os
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compilation cache (fr_jax.compile_cache) for the suite, inherited by both
+# test processes and every launch they start: a program that several processes compile, or
+# that learners and engines rebuild within one, compiles once. It lives in .pytest_cache/
+# (ignored by git; a rerun starts warm); set JAX_COMPILATION_CACHE_DIR to move it. Programs
+# that compile in 0.1 s or more are written. A multi-process CPU learner turns it off.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache", "xla"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 
 import jax  # must come after XLA_FLAGS
 import pytest

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import jax
 
+from fr_jax import compile_cache
 from fr_jax.trajectory import Trajectory
 
 log = logging.getLogger("fr_jax.learner.multihost")
@@ -44,6 +45,7 @@ def initialize(coordinator_address: str = "", num_processes: int = 0, process_id
   jax.distributed.initialize(coordinator_address or None,
                              num_processes if num_processes > 0 else None,
                              process_id if process_id >= 0 else None)
+  compile_cache.off_for_processes()  # gloo collectives do not survive the cache
   log.info("jax.distributed: process %d of %d, %d local and %d global devices",
            jax.process_index(), jax.process_count(), jax.local_device_count(),
            jax.device_count())

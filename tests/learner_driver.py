@@ -33,20 +33,26 @@ def config(workdir, seed=0):
   return c
 
 
-def main(argv):
-  del argv
+def train(workdir: str, until: int, seed: int = 0) -> int:
+  """Restores the latest checkpoint in `workdir` (with the data stream's position), trains
+  until version `until` with a checkpoint after every update; returns the version."""
   from fr_jax.learner import synthetic
   from fr_jax.learner.learner import Learner
-  learner = Learner(config(F.workdir, F.seed))
-  it = iter(synthetic.dataset(seed=F.seed, vocab_size=256, max_len=100).to_iter_dataset())
+  learner = Learner(config(workdir, seed))
+  it = iter(synthetic.dataset(seed=seed, vocab_size=256, max_len=100).to_iter_dataset())
   meta = learner.restore()
   if meta is not None:
     it.set_state(meta["data_state"])
-  while learner.version < F.until:
+  while learner.version < until:
     learner.update(synthetic.take(it, learner.config.batch_size))
     learner.save(data_state=it.get_state())
   learner.close()
-  print(f"version {learner.version}", file=sys.stderr)
+  return learner.version
+
+
+def main(argv):
+  del argv
+  print(f"version {train(F.workdir, F.until, F.seed)}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from fr_jax.transport import codec
 from fr_jax.transport import server as srv
 from fr_jax.transport.client import GrpcClient
 from tests import tls_certs
-from tests.service_helpers import cfg, synth
+from tests.helpers import cfg, synth
 
 STATS = dict(engine_version=0, trajectories=0, tokens=0, uptime_s=0.0, inflight=0)
 

@@ -27,7 +27,7 @@ from fr_jax.transport import fr_jax_pb2 as pb
 from fr_jax.transport import server as srv
 from fr_jax.transport.client import GrpcClient
 from tests import tls_certs
-from tests.service_helpers import cfg, synth
+from tests.helpers import cfg, synth
 
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")  # one device per child process
 STATS = dict(engine_version=0, trajectories=0, tokens=0, uptime_s=0.0, inflight=0)

@@ -13,7 +13,7 @@ import pytest
 
 from fr_jax import objective as obj
 from fr_jax.learner import config as lcfg
-from fr_jax.learner import optim, step, synthetic
+from fr_jax.learner import optim, step
 from fr_jax.learner.checkpoint import Checkpointer
 from fr_jax.learner.learner import Learner
 from fr_jax.learner.metrics import read_jsonl
@@ -21,36 +21,7 @@ from fr_jax.models import decoder, registry
 from fr_jax.packing import PackingSpec, pack
 from fr_jax.trajectory import TrajectoryError, validate
 from tests import learner_driver
-
-
-def tiny_config(**kw):
-  c = lcfg.default_config()
-  c.model.name = "tiny-llama"
-  c.batch_size = 8
-  c.packing.row_len = 128
-  c.packing.row_buckets = (8,)
-  c.objective.delta = math.inf
-  c.optim.lr = 1e-2
-  c.optim.warmup_frac = 0.0
-  c.optim.total_steps = 10
-  c.log.peak_flops = 1e11
-  for k, v in kw.items():
-    node = c
-    *path, last = k.split(".")
-    for p in path:
-      node = node[p]
-    node[last] = v
-  return c
-
-
-def batches(n, B=8, seed=0, **kw):
-  it = iter(synthetic.dataset(seed=seed, vocab_size=256, max_len=100, **kw).to_iter_dataset())
-  return [synthetic.take(it, B) for _ in range(n)]
-
-
-def max_diff(a, b):
-  return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
-             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+from tests.helpers import batches, max_diff, tiny_config
 
 
 def test_mesh_4x2_equals_single_device():
@@ -106,6 +77,39 @@ def test_update_compiled_from_shapes_is_the_learners_own():
   L.close()
 
 
+def test_equal_learners_share_one_compiled_update_and_different_ones_do_not():
+  """Programs are shared process-wide by what they depend on: a second learner of the same
+  config compiles nothing and makes the same update bit for bit; a learner with another
+  delta (a step-config field) compiles its own program and updates differently. Another
+  learning rate (an optimizer field), mesh or bucket is another key."""
+  from fr_jax.learner import learner as learner_mod
+  programs = learner_mod.PROGRAMS
+  (b,) = batches(1)
+
+  def run(**kw):
+    before = programs.compiles
+    L = Learner(tiny_config(**kw), devices=jax.devices()[:1])
+    return L, L.update(b), programs.compiles - before
+
+  a, ma, na = run(**{"optim.lr": 2e-2})  # a config no other test compiles first
+  assert na == 1  # one bucket, one micro-batch: the update program
+  a2, ma2, na2 = run(**{"optim.lr": 2e-2})
+  assert na2 == 0
+  assert ma2["loss"] == ma["loss"] and max_diff(a.params, a2.params) == 0.0
+  c, mc, nc = run(**{"optim.lr": 2e-2, "objective.delta": 1e-3})
+  assert nc == 1 and max_diff(c.params, a.params) > 0
+
+  def key(L):
+    _, stats, dbs = L._micro_batches(b, 0.0, None)
+    return L._program_key("update", (L.state, None, dbs[-1], stats))
+
+  assert key(a2) == key(a)
+  for kw in ({"optim.lr": 1e-3}, {"mesh.data": 2}, {"packing.row_buckets": (16,)}):
+    other = Learner(tiny_config(**{"optim.lr": 2e-2, **kw}),
+                    devices=jax.devices()[:2 if "mesh.data" in kw else 1])
+    assert key(other) != key(a), kw
+
+
 def test_grad_accumulation_over_4_micro_batches_equals_one_pass():
   (b,) = batches(1, fixed_completion=40)  # 45-56 tokens each: one per 64-token row
   c = tiny_config(**{"packing.row_len": 64})
@@ -135,15 +139,13 @@ def test_grad_accumulation_over_4_micro_batches_equals_one_pass():
 
 def test_restart_equals_uninterrupted_run(tmp_path):
   N = 3
-
-  def run(workdir, until):
-    r = subprocess.run([sys.executable, "-m", "tests.learner_driver", f"--workdir={workdir}",
-                        f"--until={until}"], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-
-  run(tmp_path / "a", 2 * N)
-  run(tmp_path / "b", N)
-  run(tmp_path / "b", 2 * N)  # a new process: restores params, optimizer and data stream
+  assert learner_driver.train(str(tmp_path / "a"), 2 * N) == 2 * N  # uninterrupted
+  assert learner_driver.train(str(tmp_path / "b"), N) == N
+  # A new process: restores params, optimizer and data stream, and trains on.
+  r = subprocess.run([sys.executable, "-m", "tests.learner_driver",
+                      f"--workdir={tmp_path / 'b'}", f"--until={2 * N}"],
+                     capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
   states = {}
   for name in ("a", "b"):
     learner = Learner(learner_driver.config(str(tmp_path / name)))

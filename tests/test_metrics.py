@@ -12,8 +12,8 @@ from fr_jax.learner import diagnostics, synthetic
 from fr_jax.learner.learner import Learner
 from fr_jax.learner.metrics import read_jsonl
 from fr_jax.models import decoder, registry
+from tests.helpers import tiny_config
 from tests.np_reference import bern_kl
-from tests.test_learner import tiny_config
 
 
 def test_split_metrics_hand_derived():

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 from fr_jax.learner import mesh as meshlib
 from fr_jax.learner.learner import Learner
 from fr_jax.models import decoder, registry
-from tests.test_learner import batches, max_diff, tiny_config
+from tests.helpers import batches, max_diff, tiny_config
 
 MODEL = "tiny-qwen3-moe"
 EXPERTS = ("experts_gate", "experts_up", "experts_down")

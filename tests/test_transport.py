@@ -3,6 +3,7 @@ process (server thread + client): raw little-endian arrays, named rejections, ba
 weights by version in chunks, token auth and the loopback rule."""
 
 import collections
+import functools
 import math
 import subprocess
 import sys
@@ -26,7 +27,8 @@ from fr_jax.transport import codec, rpc
 from fr_jax.transport import fr_jax_pb2 as pb
 from fr_jax.transport import server as srv
 from fr_jax.transport.client import GrpcClient, LocalClient
-from tests.service_helpers import with_routing
+from tests import helpers
+from tests.helpers import with_routing
 
 
 # --- wire format ---
@@ -144,20 +146,8 @@ def test_inflight_controller_aimd():
 
 
 # --- the service around a real tiny learner ---
-def tiny_run_config(tmp_path=None, **over):
-  from experiments.configs import tiny_test
-  c = tiny_test.get_config()
-  c.run_dir = str(tmp_path) if tmp_path else ""
-  c.update_from_flattened_dict(over)
-  return c
-
-
-def synth(i, version=0, producer="", **kw):
-  t = synthetic_trajectory(i, seed=5, vocab_size=259, version=version, **kw)
-  t.traj_id = f"{producer}/{i}" if producer else f"t{i}"
-  return t
-
-
+tiny_run_config = helpers.cfg
+synth = functools.partial(helpers.synth, producer="")  # ids t<i>
 def test_admission_counts_named_reasons(tiny_model):
   learner, service = system.build_service(tiny_run_config(max_policy_lag=1), tiny_model)
   try:

@@ -14,8 +14,11 @@ bisection, without touching the state.
 
 from __future__ import annotations
 
+import collections
 import functools
+import json
 import logging
+import threading
 import time
 from collections.abc import Sequence
 
@@ -125,6 +128,45 @@ def compile_update_from_shapes(config: ml_collections.ConfigDict, model_config, 
     return fn.lower(state, None, batch, stats).compile(), mesh
 
 
+class Programs:
+  """The compiled update and accumulate programs of every `Learner` in this process, shared:
+  two learners with the same step config, optimizer settings and argument shapes, dtypes and
+  shardings (hence mesh) run the same program, and only the first compiles it. The key holds
+  everything the program depends on (`Learner._program_key`); the `kept` most recently used
+  programs stay."""
+
+  def __init__(self, kept: int = 64):
+    self.kept = kept
+    self.compiles = 0  # programs compiled in this process (for tests and the run summary)
+    self._programs: collections.OrderedDict = collections.OrderedDict()
+    self._lock = threading.Lock()
+
+  def get(self, key, compile_fn):
+    """(executable, compiled_now): the program under `key`, compiled by `compile_fn()` the
+    first time."""
+    with self._lock:
+      if key in self._programs:
+        self._programs.move_to_end(key)
+        return self._programs[key], False
+    exe = compile_fn()  # outside the lock: a learner in another thread may compile meanwhile
+    with self._lock:
+      self.compiles += 1
+      self._programs[key] = exe
+      while len(self._programs) > self.kept:
+        self._programs.popitem(last=False)
+    return exe, True
+
+  def clear(self) -> None:
+    with self._lock:
+      self._programs.clear()
+
+  def __len__(self) -> int:
+    return len(self._programs)
+
+
+PROGRAMS = Programs()
+
+
 def _collective(method):
   """A learner call that every process of a multi-process learner makes: process 0
   announces it (`multihost.Group.announce`) before making it; the others make it in
@@ -182,6 +224,11 @@ class Learner:
         donate_argnums=(1,), out_shardings=(None, meshlib.replicated(self.mesh)))
     self._compiled: dict = {}  # (kind, shape, has_acc) -> (executable, flops)
     self.compile_s = 0.0  # seconds spent compiling updates (the run summary reports it)
+    # What this learner's programs depend on besides their arguments (`PROGRAMS`): the
+    # optimizer and its schedule are built from c.optim alone.
+    self._program_base = (self.step_config, json.dumps(c.optim.to_dict(), sort_keys=True),
+                          jax.config.jax_enable_x64,
+                          str(jax.config.jax_default_matmul_precision))
     self.checkpointer = (ckpt.Checkpointer(c.checkpoint.dir, every=c.checkpoint.every,
                                            keep=c.checkpoint.keep,
                                            async_save=c.checkpoint.async_save)
@@ -235,16 +282,28 @@ class Learner:
     key = (kind, b.shape, args[1] is not None)
     if key not in self._compiled:
       fn = self._jit_update if kind == "update" else self._jit_accumulate
+
+      def compile_():
+        with jax.set_mesh(self.mesh):  # the decoder's per-shard paths read it (decoder._experts)
+          return fn.lower(*args).compile()
+
       t0 = time.perf_counter()
-      with jax.set_mesh(self.mesh):  # the decoder's per-shard paths read it (decoder._experts)
-        exe = fn.lower(*args).compile()
+      exe, compiled = PROGRAMS.get(self._program_key(kind, args), compile_)
       R, L, _ = b.shape
       flops = self.model_config.train_flops(R, L)
       self._compiled[key] = (exe, flops)
-      self.compile_s += time.perf_counter() - t0
-      log.info("compiled %s for micro-batch %s in %.1fs (%.3g FLOPs)", kind, b.shape,
-               time.perf_counter() - t0, flops)
+      dt = time.perf_counter() - t0
+      self.compile_s += dt
+      log.info("%s %s for micro-batch %s in %.1fs (%.3g FLOPs)",
+               "compiled" if compiled else "reused", kind, b.shape, dt, flops)
     return self._compiled[key]
+
+  def _program_key(self, kind: str, args) -> tuple:
+    """Everything the `kind` program compiled for `args` depends on: the learner's step config
+    and optimizer settings, and each argument's shape, dtype and sharding (its mesh)."""
+    leaves, tree = jax.tree.flatten(args)
+    return (kind, *self._program_base, tree,
+            tuple((x.shape, x.dtype, x.sharding) for x in leaves))
 
   # --- one batch ---
   def _device_batch(self, b, values_S=None):

@@ -1,0 +1,72 @@
+"""Shared by the tests: the tiny learner config and its synthetic batches, the tiny_test run
+config, synthetic records whose ids follow the `producer/seq` rule, and routing-replay data
+for them."""
+
+import math
+
+import jax
+import numpy as np
+
+from fr_jax.learner import config as lcfg
+from fr_jax.learner import synthetic
+from fr_jax.learner.synthetic import synthetic_trajectory
+
+
+def tiny_config(**kw):
+  """A learner config for tiny-llama: B=8, one bucket of 8 rows x 128 tokens, no trust mask,
+  lr 1e-2 constant over 10 steps; `kw` overrides dotted fields ("optim.lr": 1e-3)."""
+  c = lcfg.default_config()
+  c.model.name = "tiny-llama"
+  c.batch_size = 8
+  c.packing.row_len = 128
+  c.packing.row_buckets = (8,)
+  c.objective.delta = math.inf
+  c.optim.lr = 1e-2
+  c.optim.warmup_frac = 0.0
+  c.optim.total_steps = 10
+  c.log.peak_flops = 1e11
+  for k, v in kw.items():
+    node = c
+    *path, last = k.split(".")
+    for p in path:
+      node = node[p]
+    node[last] = v
+  return c
+
+
+def batches(n, B=8, seed=0, **kw):
+  """n batches of B synthetic records (tokens below 256, at most 100 long)."""
+  it = iter(synthetic.dataset(seed=seed, vocab_size=256, max_len=100, **kw).to_iter_dataset())
+  return [synthetic.take(it, B) for _ in range(n)]
+
+
+def max_diff(a, b):
+  """The largest absolute difference between two pytrees of arrays, in float64."""
+  return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def cfg(run_dir=None, **over):
+  """tiny_test's config with `run_dir` and flattened overrides ({"service.x": 1, ...})."""
+  from experiments.configs import tiny_test
+  c = tiny_test.get_config()
+  c.run_dir = str(run_dir) if run_dir else ""
+  c.update_from_flattened_dict(over)
+  return c
+
+
+def synth(i, version=0, producer="w/n", **kw):
+  """Synthetic record `i` (tokens below tiny-chat's vocabulary), id `producer/i` (`t<i>`
+  with no producer)."""
+  t = synthetic_trajectory(i, seed=5, vocab_size=259, version=version, **kw)
+  t.traj_id = f"{producer}/{i}" if producer else f"t{i}"
+  return t
+
+
+def with_routing(t, layers=2, k=3, num_experts=40, dtype=np.int8, seed=0):
+  """`t` carrying valid routed_experts [length - 1, layers, k] (k distinct experts per
+  position and layer, as a router picks them), in `dtype`."""
+  rng = np.random.default_rng(seed)
+  scores = rng.random((t.length - 1, layers, num_experts))
+  t.routed_experts = np.argsort(scores, axis=-1)[..., :k].astype(dtype)
+  return t

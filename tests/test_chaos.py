@@ -38,13 +38,16 @@ def test_short_chaos_run_loses_and_duplicates_nothing(tmp_path):
   # update claims the version the learner last published: it was admitted (then dead-lettered
   # or still queued), or, when a kill sent the learner back to an older checkpoint before it
   # arrived, refused as future_version, or admitted by a send whose answer a cut or kill lost,
-  # so that the resend was answered duplicate. Either way no update used it.
+  # so that the resend was answered duplicate; a record sent again can collect several of
+  # these answers (future_version from the restarted learner, then duplicate from the one that
+  # had admitted it), admitted at most once. Either way no update used it.
   p = dict(r["poison_answers"])
   over = {k: p.pop(k) for k in list(p) if k.startswith("overflow:")}
   assert p == {"huge_reward:reward_out_of_range": 1, "oov_token:token_out_of_vocab": 1,
                "logp_floor:behavior_logp_below_floor": 1}, p
-  assert over in ({"overflow:admitted": 1}, {"overflow:future_version": 1},
-                  {"overflow:duplicate": 1}), over
+  assert over and set(over) <= {"overflow:admitted", "overflow:future_version",
+                                "overflow:duplicate"}, over
+  assert over.get("overflow:admitted", 0) <= 1, over
   assert r["overflow_poison_used"] == 0
   assert r["acknowledged"] == r["used"] + r["queued"] + r["dead_lettered"]
   assert r["used"] > 0

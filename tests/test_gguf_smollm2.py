@@ -14,8 +14,6 @@ import transformers
 
 from fr_jax.models import decoder, registry
 from fr_jax.models.gguf_io import load_gguf, permute_rope, unpermute_rope
-from fr_jax.rollout.embedded import EmbeddedEngine
-from fr_jax.rollout.engine import Request
 
 
 def test_unpermute_inverts_llama_cpp_permutation_by_hand():
@@ -86,15 +84,10 @@ def hf_smol():
   return tok, model
 
 
-def test_smollm2_loads_and_says_paris(smol):
+def test_smollm2_loads(smol):
   # (Load time is a benchmark figure: python -m experiments.benchmarks.model --cases=gguf_load)
   assert smol.config.num_layers == 30 and smol.config.vocab_size == 49152
   assert smol.config.tie_embeddings
-  tok = smol.tokenizer
-  ids = tok.encode("The capital of France is")
-  eng = EmbeddedEngine(smol.config, smol.params, num_slots=1, max_len=32)
-  (c,) = eng.generate([Request("paris", ids, 4, temperature=0.0)])
-  assert tok.decode(c.token_ids).startswith(" Paris")
 
 
 def test_random_smollm2_shapes_are_the_ggufs(smol):
@@ -114,6 +107,10 @@ def test_smollm2_logits_match_transformers_gguf_loader(smol, hf_smol):
   got = np.asarray(decoder.logits_from_hidden(smol.params, smol.config, h))[0]
   np.testing.assert_allclose(got, want, atol=5e-4, rtol=0)  # 30 layers, logits up to ~36
   assert np.array_equal(got.argmax(-1), want.argmax(-1))
+  # It says Paris: the greedy next token after "is" (the embedded engine's sampling from this
+  # model is checked against the learner's scoring in test_agent).
+  n = len(smol.tokenizer.encode("The capital of France is"))
+  assert smol.tokenizer.decode([int(got[n - 1].argmax())]) == " Paris"
 
 
 TEXTS = ["The capital of France is", "12345 + 678 = 13023", "  two  spaces\n\nand\ttabs",

@@ -2,14 +2,18 @@
 config, synthetic records whose ids follow the `producer/seq` rule, and routing-replay data
 for them."""
 
+import functools
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from scipy.special import log_softmax
 
 from fr_jax.learner import config as lcfg
 from fr_jax.learner import synthetic
 from fr_jax.learner.synthetic import synthetic_trajectory
+from fr_jax.models import decoder
 
 
 def tiny_config(**kw):
@@ -70,3 +74,30 @@ def with_routing(t, layers=2, k=3, num_experts=40, dtype=np.int8, seed=0):
   scores = rng.random((t.length - 1, layers, num_experts))
   t.routed_experts = np.argsort(scores, axis=-1)[..., :k].astype(dtype)
   return t
+
+
+# The decoder's forward, compiled, for the tests' references: called eagerly, it compiles each
+# of its operations for every new shape (about 1 s a call for a tiny model on 2 cores).
+forward = jax.jit(decoder.forward, static_argnums=1,
+                  static_argnames=("remat", "window", "routing_out"))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _logits(params, cfg, tokens_1xL):
+  h, _ = decoder.forward(params, cfg, tokens_1xL, jnp.arange(tokens_1xL.shape[1])[None])
+  return decoder.logits_from_hidden(params, cfg, h)
+
+
+def teacher_forced(params, cfg, prompt, out, temperature, pad_to=64):
+  """Log-probabilities of `out` after `prompt` from one full causal forward of the decoder
+  (the reference that sampled log-probabilities are checked against), log-softmax in float64
+  at `temperature`. The input is padded at its end to a multiple of `pad_to` so that one
+  compiled forward serves many lengths: under the causal mask no position before the padding
+  sees it."""
+  seq = np.array(list(prompt) + list(out))
+  n = len(seq) - 1
+  tokens = np.zeros((1, -(-n // pad_to) * pad_to), np.int32)
+  tokens[0, :n] = seq[:-1]
+  z = np.asarray(_logits(params, cfg, tokens), np.float64)[0, :n] / temperature
+  lp = log_softmax(z, -1)[np.arange(n), seq[1:]]
+  return lp[len(prompt) - 1:]

@@ -16,6 +16,7 @@ import pytest
 from fr_jax.models import attention as A
 from fr_jax.models import decoder, registry
 from fr_jax.models.flash import flash_attention
+from tests.helpers import forward
 
 TOL = 1e-5
 
@@ -151,7 +152,7 @@ def test_decoder_forward_and_grads_equal_naive(name, impl):
 
   def loss(params, impl):
     cfg = m.config.replace(attention=impl)
-    h, _ = decoder.forward(params, cfg, toks, pos, seg)
+    h, _ = forward(params, cfg, toks, pos, seg)
     return jnp.sum(h * jnp.sin(jnp.arange(h.shape[-1]))), h
 
   (l_f, h_f), g_f = jax.value_and_grad(loss, has_aux=True)(m.params, impl)
@@ -171,7 +172,7 @@ def test_cached_prefill_longer_than_a_block_uses_flash_and_equals_packed_naive()
   toks = jnp.asarray(np.random.default_rng(6).integers(0, 250, (2, T)), jnp.int32)
   pos = jnp.broadcast_to(jnp.arange(T), (2, T))
   cache = decoder.init_cache(m.config, 2, S)
-  h_cache, _ = decoder.forward(m.params, m.config, toks, pos, cache=cache)
-  h_naive, _ = decoder.forward(m.params, m.config.replace(attention="naive"), toks, pos,
+  h_cache, _ = forward(m.params, m.config, toks, pos, cache=cache)
+  h_naive, _ = forward(m.params, m.config.replace(attention="naive"), toks, pos,
                                jnp.ones_like(toks))
   np.testing.assert_allclose(h_cache, h_naive, atol=TOL, rtol=0)

@@ -9,19 +9,12 @@ from scipy.special import log_softmax
 from fr_jax.models import decoder, registry
 from fr_jax.rollout.embedded import EmbeddedEngine
 from fr_jax.rollout.engine import Request
+from tests.helpers import forward, teacher_forced
 
 
 @pytest.fixture(scope="module")
 def tiny():
   return registry.load("tiny-qwen3", seed=21)
-
-
-def teacher_forced(params, cfg, prompt, out, temperature):
-  seq = np.array(list(prompt) + list(out))
-  h, _ = decoder.forward(params, cfg, seq[None, :-1], np.arange(len(seq) - 1)[None])
-  z = np.asarray(decoder.logits_from_hidden(params, cfg, h), np.float64)[0] / temperature
-  lp = log_softmax(z, -1)[np.arange(len(seq) - 1), seq[1:]]
-  return lp[len(prompt) - 1:]
 
 
 def requests(n, rng, **kw):
@@ -100,9 +93,9 @@ def mixed_cache_logprobs(old, new, cfg, prompt, out, n_old, temperature):
   fed_old = list(prompt) + list(out[:n_old - 1])
   fed_new = list(out[n_old - 1:-1])
   cache = decoder.init_cache(cfg, 1, len(fed_old) + len(fed_new))
-  _, cache = decoder.forward(old, cfg, np.array([fed_old]), np.arange(len(fed_old))[None],
+  _, cache = forward(old, cfg, np.array([fed_old]), np.arange(len(fed_old))[None],
                              cache=cache)
-  h, _ = decoder.forward(new, cfg, np.array([fed_new]),
+  h, _ = forward(new, cfg, np.array([fed_new]),
                          len(fed_old) + np.arange(len(fed_new))[None], cache=cache)
   z = np.asarray(decoder.logits_from_hidden(new, cfg, h), np.float64)[0] / temperature
   return log_softmax(z, -1)[np.arange(len(fed_new)), out[n_old:]]

@@ -27,6 +27,7 @@ from fr_jax.models.gguf_io import (
 )
 from fr_jax.models.hf_io import CheckpointError
 from fr_jax.models.tokenizer import Tokenizer
+from tests.helpers import forward
 
 BYTE_VOCAB = 320  # the byte-level tokenizer's 259 tokens, padded as tiny-chat's embedding is
 FAMILIES = {"llama": "tiny-chat", "qwen2": "tiny-qwen2", "qwen3": "tiny-qwen3"}
@@ -61,7 +62,7 @@ def random_params(cfg, seed):
 
 def logits(params, cfg, ids):
   ids = np.asarray([ids])
-  h, _ = decoder.forward(params, cfg, ids, np.arange(ids.shape[1])[None])
+  h, _ = forward(params, cfg, ids, np.arange(ids.shape[1])[None])
   return np.asarray(decoder.logits_from_hidden(params, cfg, h))[0]
 
 

@@ -21,7 +21,7 @@ from fr_jax.models import decoder, registry
 from fr_jax.packing import PackingSpec, pack
 from fr_jax.trajectory import TrajectoryError, validate
 from tests import learner_driver
-from tests.helpers import batches, max_diff, tiny_config
+from tests.helpers import batches, forward, max_diff, tiny_config
 
 
 def test_mesh_4x2_equals_single_device():
@@ -207,7 +207,7 @@ def _reference_loss(params, cfg, inputs_BxL, targets_BxL, mask_BxL, blogp_BxL, A
     PPO-clip (GRPO):                min(rho_it A_i, clip(rho_it, 1 -+ eps) A_i)
   with rho = pi / mu, at temperature 1."""
   B, L = inputs_BxL.shape
-  h, _ = decoder.forward(params, cfg, inputs_BxL, jnp.broadcast_to(jnp.arange(L), (B, L)))
+  h, _ = forward(params, cfg, inputs_BxL, jnp.broadcast_to(jnp.arange(L), (B, L)))
   logp_all = jax.nn.log_softmax(decoder.logits_from_hidden(params, cfg, h), -1)
   logp = jnp.take_along_axis(logp_all, targets_BxL[..., None], -1)[..., 0]
   rho = jnp.exp(logp - blogp_BxL)

@@ -12,7 +12,7 @@ from fr_jax.learner import diagnostics, synthetic
 from fr_jax.learner.learner import Learner
 from fr_jax.learner.metrics import read_jsonl
 from fr_jax.models import decoder, registry
-from tests.helpers import tiny_config
+from tests.helpers import forward, tiny_config
 from tests.np_reference import bern_kl
 
 
@@ -48,7 +48,7 @@ def _independent_logp(params, cfg, t) -> np.ndarray:
   alone, log-softmax in float64 (no packing, no segment sums)."""
   tokens = t.tokens
   pos = np.arange(tokens.shape[0])
-  h, _ = decoder.forward(params, cfg, tokens[None], pos[None])
+  h, _ = forward(params, cfg, tokens[None], pos[None])
   logits = np.asarray(decoder.logits_from_hidden(params, cfg, h)[0], np.float64)
   lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
   P = t.prompt_tokens.shape[0]

@@ -11,13 +11,14 @@ from fr_jax.models import decoder, registry, sampling
 from fr_jax.models.config import ConfigError, from_hf_config, to_hf_config
 from fr_jax.models.decoder import Decoder
 from fr_jax.models.hf_io import CheckpointError, load_hf, save_hf
+from tests.helpers import forward
 
 TINY = sorted(registry.TINY_CONFIGS)
 
 
 def full_logits(params, cfg, ids):
   ids = np.asarray(ids)[None]
-  h, _ = decoder.forward(params, cfg, ids, np.arange(ids.shape[1])[None])
+  h, _ = forward(params, cfg, ids, np.arange(ids.shape[1])[None])
   return np.asarray(decoder.logits_from_hidden(params, cfg, h))[0]
 
 
@@ -36,7 +37,7 @@ def test_packed_equals_separate(name):
     pos[0, col:col + len(ids)] = np.arange(len(ids))
     seg[0, col:col + len(ids)] = s
     col += len(ids)
-  h, _ = decoder.forward(m.params, m.config, tokens, pos, seg)
+  h, _ = forward(m.params, m.config, tokens, pos, seg)
   packed = np.asarray(decoder.logits_from_hidden(m.params, m.config, h))[0]
   col = 0
   for ids in seqs:
@@ -77,7 +78,7 @@ def test_scoring_equals_log_softmax(temperature):
   rng = np.random.default_rng(2)
   ids = rng.integers(0, 256, (2, 21))
   pos = np.broadcast_to(np.arange(20), (2, 20))
-  h, _ = decoder.forward(m.params, m.config, ids[:, :-1], pos)
+  h, _ = forward(m.params, m.config, ids[:, :-1], pos)
   logits = np.asarray(decoder.logits_from_hidden(m.params, m.config, h), np.float64)
   ref_all = log_softmax(logits / temperature, axis=-1)
   ref = np.take_along_axis(ref_all, ids[:, 1:, None], -1)[..., 0]

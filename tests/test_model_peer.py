@@ -9,12 +9,13 @@ import transformers
 from experiments.peer_models import HF_CLASSES, hf_logits, hf_model
 from fr_jax.models import decoder, registry
 from fr_jax.models.hf_io import load_hf, save_hf
+from tests.helpers import forward
 
 
 def our_logits(params, cfg, tokens):
   tokens = np.asarray(tokens)
   pos = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
-  h, _ = decoder.forward(params, cfg, tokens, pos)
+  h, _ = forward(params, cfg, tokens, pos)
   return np.asarray(decoder.logits_from_hidden(params, cfg, h))
 
 

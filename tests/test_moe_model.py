@@ -19,6 +19,7 @@ from fr_jax.models import decoder, registry
 from fr_jax.models.config import ModelConfig
 from fr_jax.models.gguf_io import check_gguf_exportable, load_gguf, save_gguf
 from fr_jax.models.hf_io import CheckpointError, export_hf, iter_hf_tensors, load_hf, save_hf
+from tests.helpers import forward
 
 E, K = 8, 2
 # Two layouts of a 4-layer model: sparse layers 0, 2, 3 (layer 1 dense, mlp_only_layers) with
@@ -88,7 +89,7 @@ def hf_run(model, tokens):
 @functools.partial(jax.jit, static_argnames="cfg")
 def _forward(params, cfg, tokens, segment_ids, routes):
   pos = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-  h, _, routing = decoder.forward(params, cfg, tokens, pos, segment_ids, routes=routes,
+  h, _, routing = forward(params, cfg, tokens, pos, segment_ids, routes=routes,
                                   routing_out=True)
   return decoder.logits_from_hidden(params, cfg, h), routing
 
@@ -283,7 +284,7 @@ def test_ragged_gradients_equal_dense(replay):
     routes = np.argsort(rng.random((B, T, n, E)), -1)[..., :K]  # distinct experts
 
   def loss(p, c):
-    h, _, r = decoder.forward(p, c, tokens, pos, seg, routes=routes, routing_out=True)
+    h, _, r = forward(p, c, tokens, pos, seg, routes=routes, routing_out=True)
     return jnp.sum(decoder.logits_from_hidden(p, c, h) * w) + 10.0 * r.balance
 
   grad = jax.jit(jax.grad(loss), static_argnums=1)

@@ -17,6 +17,7 @@ from fr_jax.rollout.agent import AgentConfig, AgentLoop
 from fr_jax.rollout.embedded import EmbeddedEngine
 from fr_jax.rollout.engine import Request
 from fr_jax.trajectory import validate
+from tests.helpers import forward
 
 # One engine shape for every test here: its prefill and decode steps compile once per process.
 ENGINE = dict(num_slots=4, max_len=128)
@@ -39,7 +40,7 @@ def moe():
 def packed_routing(params, cfg, seq):
   """Experts of positions 0..len(seq)-2 from one packed forward (the learner's)."""
   seq = np.asarray(seq)
-  _, _, r = decoder.forward(params, cfg, seq[None, :-1], np.arange(len(seq) - 1)[None],
+  _, _, r = forward(params, cfg, seq[None, :-1], np.arange(len(seq) - 1)[None],
                             routing_out=True)
   return np.asarray(r.experts[0])
 
@@ -106,9 +107,9 @@ def test_weight_swap_mid_request_keeps_the_experts_that_ran(moe):
   # Reference: the old weights write the cache for positions < old, the new ones decode on.
   cache = decoder.init_cache(cfg, 1, 64)
   toks = np.asarray(seq[:-1])[None]
-  _, cache, r0 = decoder.forward(params, cfg, toks[:, :old], np.arange(old)[None], cache=cache,
+  _, cache, r0 = forward(params, cfg, toks[:, :old], np.arange(old)[None], cache=cache,
                                  routing_out=True)
-  _, _, r1 = decoder.forward(other, cfg, toks[:, old:], np.arange(old, len(seq) - 1)[None],
+  _, _, r1 = forward(other, cfg, toks[:, old:], np.arange(old, len(seq) - 1)[None],
                              cache=cache, routing_out=True)
   want = np.concatenate([np.asarray(r0.experts[0]), np.asarray(r1.experts[0])])
   assert same_sets(c.routed_experts, want)
@@ -227,7 +228,7 @@ def test_learner_routing_metrics_equal_a_per_record_recomputation(moe, replay):
 
   @functools.partial(jax.jit, static_argnums=3)
   def one(toks, seg, routes, with_routes):
-    h, _, r = decoder.forward(moved, cfg, toks[None], jnp.arange(W)[None], seg[None],
+    h, _, r = forward(moved, cfg, toks[None], jnp.arange(W)[None], seg[None],
                               routes=routes[None] if with_routes else None, routing_out=True)
     return decoder.logits_from_hidden(moved, cfg, h)[0], r.experts[0], r.drift[0]
 

@@ -19,6 +19,7 @@ from fr_jax.models.tokenizer import Tokenizer
 from fr_jax.rollout.agent import AgentConfig, AgentLoop
 from fr_jax.rollout.engine import Completion
 from launch.sft import learner_config, warm_start
+from tests.helpers import forward
 
 
 class ScriptedEngine:
@@ -197,7 +198,7 @@ def test_sft_loss_is_the_mean_nll_of_assistant_tokens(tmp_path, reduction):
   nll = []
   for r in recs:
     ids = np.concatenate([r.prompt_tokens, r.completion_tokens])
-    h, _ = decoder.forward(model.params, model.config, ids[None, :-1],
+    h, _ = forward(model.params, model.config, ids[None, :-1],
                            np.arange(len(ids) - 1)[None])
     logits = np.asarray(decoder.logits_from_hidden(model.params, model.config, h)[0], np.float64)
     logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)

@@ -35,8 +35,8 @@ from fr_jax.models.config import ModelConfig
 from fr_jax.models.hf_io import save_hf
 from fr_jax.rollout.engine import Request
 from fr_jax.rollout.sglang import Reason, SGLangEngine, SGLangError
+from tests.helpers import teacher_forced
 from tests.sglang_standin import StandInSGLang
-from tests.test_engine import teacher_forced
 
 ANSWERS = json.loads((Path(__file__).parent / "fixtures/sglang_generate_answers.json")
                      .read_text())

@@ -42,7 +42,8 @@ MAX_BYTES = 2 * 2**30  # unless JAX_COMPILATION_CACHE_MAX_SIZE says otherwise
 def default_dir(environ=None) -> str:
   """$XDG_CACHE_HOME/fr_jax/xla, or ~/.cache/fr_jax/xla."""
   environ = os.environ if environ is None else environ
-  base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  home = environ.get("HOME") or os.path.expanduser("~")
+  base = environ.get("XDG_CACHE_HOME") or os.path.join(home, ".cache")
   return os.path.join(base, "fr_jax", "xla")
 
 

@@ -1,0 +1,47 @@
+"""The persistent compilation cache's settings (fr_jax.compile_cache): which directory each
+names, and that a process configured with one writes its programs there, privately, and
+with "off" writes none."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from fr_jax.compile_cache import resolve
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_settings_name_their_directory():
+  assert resolve("auto", {"HOME": "/h"}) == "/h/.cache/fr_jax/xla"
+  assert resolve("auto", {"HOME": "/h", "XDG_CACHE_HOME": "/x"}) == "/x/fr_jax/xla"
+  assert resolve("auto", {"HOME": "/h", "JAX_COMPILATION_CACHE_DIR": "/j"}) == "/j"
+  assert resolve(" /some/dir ", {}) == "/some/dir"
+  assert resolve("rel/dir", {}) == os.path.join(os.getcwd(), "rel", "dir")
+  for off in ("off", "OFF", "none", "", None):
+    assert resolve(off, {"JAX_COMPILATION_CACHE_DIR": "/j"}) is None
+
+
+_CHILD = """
+import sys
+import jax, jax.numpy as jnp
+from fr_jax import compile_cache
+print(compile_cache.configure(sys.argv[1]))
+jax.jit(lambda x: jnp.cumsum(x) * 2)(jnp.arange(5.0)).block_until_ready()
+"""
+
+
+def test_a_configured_process_writes_its_programs_there_and_off_writes_none(tmp_path):
+  env = dict(os.environ, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+             JAX_COMPILATION_CACHE_DIR=str(tmp_path / "env_dir"))
+  got = {}
+  for setting in (str(tmp_path / "mine" / "xla"), "off"):
+    r = subprocess.run([sys.executable, "-c", _CHILD, setting], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got[setting] = r.stdout.strip().splitlines()[-1]
+  mine = tmp_path / "mine" / "xla"
+  assert got == {str(mine): str(mine), "off": "None"}
+  assert any(p.name.startswith("jit_") for p in mine.iterdir())
+  assert (mine.stat().st_mode & 0o777) == 0o700  # the cache is code: the user's alone
+  assert not (tmp_path / "env_dir").exists()  # "off" wrote nowhere, not even JAX's default

@@ -2,8 +2,10 @@
 
 import os
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+from tests import XLA_TEST_FLAGS
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" {XLA_TEST_FLAGS}"
+                           " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache (fr_jax.compile_cache) for the suite, inherited by both
 # test processes and every launch they start: a program that several processes compile, or

@@ -9,7 +9,10 @@ import os
 import subprocess
 import sys
 
-ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")  # one device per child process
+from tests import XLA_TEST_FLAGS
+
+# One device per child process.
+ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=XLA_TEST_FLAGS)
 
 
 def test_short_chaos_run_loses_and_duplicates_nothing(tmp_path):

@@ -19,10 +19,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests import XLA_TEST_FLAGS
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = "launch/cluster/example.py"
 TOKEN = "not-a-real-token-7f3a"  # must never reach a rendered file
-ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=XLA_TEST_FLAGS)
 # sglang.launch_server needs CUDA and is not installed here: its arguments are checked against
 # this list, copied from SGLang's documentation of server arguments
 # (https://docs.sglang.io/advanced_features/server_arguments.html).

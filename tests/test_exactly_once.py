@@ -26,10 +26,11 @@ from fr_jax.transport import codec
 from fr_jax.transport import fr_jax_pb2 as pb
 from fr_jax.transport import server as srv
 from fr_jax.transport.client import GrpcClient
-from tests import tls_certs
+from tests import XLA_TEST_FLAGS, tls_certs
 from tests.helpers import cfg, synth
 
-ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")  # one device per child process
+# One device per child process.
+ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=XLA_TEST_FLAGS)
 STATS = dict(engine_version=0, trajectories=0, tokens=0, uptime_s=0.0, inflight=0)
 
 

@@ -30,8 +30,10 @@ import sys
 
 import pytest
 
+from tests import XLA_TEST_FLAGS
+
 # One device, as `make demo` runs (the suite forces 8 host devices for the mesh tests).
-ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=XLA_TEST_FLAGS)
 
 
 def learning_run(tmp_path, fault: str = "") -> dict:

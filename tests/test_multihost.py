@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tests import XLA_TEST_FLAGS
 from tests import multihost_driver as drv
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,8 +52,8 @@ def test_two_processes_equal_one_and_their_checkpoint_restores_in_one(tmp_path):
   # doesn't match expected size, 8192 vs 32"); multihost.initialize now turns the cache off
   # in a multi-process CPU learner (fr_jax.compile_cache), so nothing of theirs is written.
   cache = tmp_path / "xla"
-  env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(cache),
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+  env = dict(os.environ, XLA_FLAGS=XLA_TEST_FLAGS, JAX_PLATFORMS="cpu",
+             JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
   mp = tmp_path / "two_processes"
   _two_processes(mp, 2, env)
   _two_processes(mp, 3, env)
@@ -107,7 +108,7 @@ def test_a_follower_waits_through_idle_time_and_gets_the_records_whole():
   """An announcement that comes after several of the follower's waits have timed out still
   arrives, in order, with its trajectories bit for bit."""
   r = subprocess.run([sys.executable, "-c", _IDLE.format(port=_free_port())], cwd=REPO,
-                     env=dict(os.environ, XLA_FLAGS=""), capture_output=True, text=True,
+                     env=dict(os.environ, XLA_FLAGS=XLA_TEST_FLAGS), capture_output=True, text=True,
                      timeout=120)
   assert r.returncode == 0, r.stderr[-3000:]
   (method, kwargs, waited), second = map(json.loads, r.stdout.strip().splitlines()[-2:])

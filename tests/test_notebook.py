@@ -19,6 +19,8 @@ from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 
+from tests import XLA_TEST_FLAGS
+
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK_TIMEOUT_S = 600  # the whole notebook, kernel start included
 
@@ -50,7 +52,7 @@ def _run(path: str):
   client = NotebookClient(nb, km=km, kernel_name="python3", startup_timeout=120,
                           timeout_func=lambda cell: max(1, int(deadline - time.monotonic())),
                           resources={"metadata": {"path": str(ROOT)}})
-  env = dict(os.environ, FR_JAX_NOTEBOOK_FAST="1", JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  env = dict(os.environ, FR_JAX_NOTEBOOK_FAST="1", JAX_PLATFORMS="cpu", XLA_FLAGS=XLA_TEST_FLAGS)
   client.execute(env=env)
   out = _text(nb)
   assert f"KERNEL {sys.executable}\n" in out

@@ -23,6 +23,7 @@ import pytest
 
 from fr_jax.envs.escapes import ATTEMPTS, portable_copy
 from fr_jax.envs.sandbox import Limits, run_python
+from tests import XLA_TEST_FLAGS
 
 REPO = Path(__file__).resolve().parents[1]
 NOBODY = 65534
@@ -158,7 +159,7 @@ def _train_without_userns(run_dir, *extra):
   cmd = [sys.executable, "tests/no_userns.py", sys.executable, "-m", "launch.train",
          "--config=experiments/configs/tiny_test.py", "--config.max_updates=1",
          "--config.eval.n=0", "--config.env.name=arithmetic", f"--run_dir={run_dir}", *extra]
-  env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", XLA_FLAGS=XLA_TEST_FLAGS)
   return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
 
 

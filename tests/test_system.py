@@ -18,9 +18,10 @@ from fr_jax.learner.metrics import read_jsonl
 from fr_jax.learner.synthetic import synthetic_trajectory
 from fr_jax.transport import codec
 from fr_jax.transport.client import GrpcClient
+from tests import XLA_TEST_FLAGS
 
 CONFIG = "--config=experiments/configs/tiny_test.py"
-ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")  # one device per process
+ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=XLA_TEST_FLAGS)  # one device per process
 
 
 def spawn(module, *args, log_path):

@@ -33,10 +33,11 @@ from fr_jax.transport import codec, relay, rpc
 from fr_jax.transport import fr_jax_pb2 as pb
 from fr_jax.transport import server as srv
 from fr_jax.transport.client import WeightsClient
+from tests import XLA_TEST_FLAGS
 from tests.sglang_standin import PublishedWeights, StandInSGLang
 
 CONFIG = "--config=experiments/configs/tiny_test.py"  # tiny-chat, float32
-ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")  # one device per process
+ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=XLA_TEST_FLAGS)  # one device per process
 
 
 def host_params(seed: int):

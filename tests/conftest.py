@@ -41,15 +41,16 @@ def smol_tokenizer():
   return registry.describe("smollm2-135m-instruct").tokenizer
 
 
-# The longest files first (measured totals, longest first): `make test` runs files whole on 2
-# xdist workers, handed out in collection order, so a long file collected last would run
-# alone at the end. Every worker sorts the same way, as xdist requires.
-LONGEST_FIRST = ("test_learner.py", "test_system.py", "test_gguf_smollm2.py",
-                 "test_notebook.py", "test_exactly_once.py", "test_chaos.py", "test_agent.py",
-                 "test_learning.py",
-                 "test_device_check.py", "test_multihost.py", "test_sandbox.py",
-                 "test_attention.py", "test_weight_relay.py", "test_transport.py",
-                 "test_replication.py", "test_sft.py", "test_cluster.py")
+# The longest files first (totals measured on a clean clone, longest first): `make test` runs
+# files whole on its xdist workers, handed out in collection order, so a long file collected
+# last would run alone at the end. Every worker sorts the same way, as xdist requires.
+LONGEST_FIRST = ("test_system.py", "test_learner.py", "test_chaos.py", "test_gguf_smollm2.py",
+                 "test_multihost.py", "test_attention.py", "test_learning.py",
+                 "test_notebook.py", "test_model_internal.py", "test_moe_learner.py",
+                 "test_engine.py", "test_moe_rollout.py", "test_exactly_once.py",
+                 "test_device_check.py", "test_agent.py", "test_transport.py",
+                 "test_replication.py", "test_sandbox.py", "test_export.py",
+                 "test_weight_relay.py", "test_sglang_client.py", "test_sft.py")
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -30,10 +30,11 @@ import sys
 
 import pytest
 
-from tests import XLA_TEST_FLAGS
-
-# One device, as `make demo` runs (the suite forces 8 host devices for the mesh tests).
-ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=XLA_TEST_FLAGS)
+# One device and XLA's default compilation, as `make demo` runs (the suite forces 8 host
+# devices for the mesh tests and compiles at LLVM level 0, tests.XLA_TEST_FLAGS). The guard's
+# thresholds are measured figures of this compiled program: at level 0 the same seeds warm-
+# started to 0.375 held-out accuracy, not 0.520, and RL then cut truncation 0.395 -> 0.150.
+ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
 
 
 def learning_run(tmp_path, fault: str = "") -> dict:

@@ -4,6 +4,7 @@ for them."""
 
 import functools
 import math
+import time
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,19 @@ from fr_jax.learner import config as lcfg
 from fr_jax.learner import synthetic
 from fr_jax.learner.synthetic import synthetic_trajectory
 from fr_jax.models import decoder
+
+
+def wait_for(cond, timeout, what, procs=()):
+  """Polls `cond` until it holds; fails if `timeout` seconds pass (a hang guard: make it
+  minutes, never the expected time) or one of `procs` exits first."""
+  t_end = time.monotonic() + timeout
+  while time.monotonic() < t_end:
+    if cond():
+      return
+    for p in procs:
+      assert p.poll() is None, f"{what}: a process exited early ({p.args[2]})"
+    time.sleep(0.05)
+  raise AssertionError(f"timed out waiting for {what}")
 
 
 def tiny_config(**kw):

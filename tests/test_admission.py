@@ -8,7 +8,6 @@ import json
 import os
 import struct
 import threading
-import time
 import zlib
 
 import pytest
@@ -20,7 +19,7 @@ from fr_jax.transport import codec
 from fr_jax.transport import server as srv
 from fr_jax.transport.client import GrpcClient
 from tests import tls_certs
-from tests.helpers import cfg, synth
+from tests.helpers import cfg, synth, wait_for
 
 STATS = dict(engine_version=0, trajectories=0, tokens=0, uptime_s=0.0, inflight=0)
 
@@ -220,7 +219,7 @@ def test_streams_beyond_the_limit_wait_their_turn(tiny_model):
   addr = f"127.0.0.1:{port}"
   a, b = (GrpcClient(addr, worker_id=w) for w in ("a", "b"))
   try:
-    time.sleep(1.0)  # a and b hold the two streams
+    wait_for(lambda: srv.open_streams(server) == 2, 120, "a and b holding the two streams")
     c = GrpcClient(addr, worker_id="c", backoff_min=0.1, backoff_max=0.2)
     c.push(synth(0, producer="c/n"))
     assert not c.flush(2.0) and c.reconnects >= 1  # refused, retrying

@@ -25,9 +25,9 @@ from fr_jax.learner.metrics import read_jsonl
 from fr_jax.transport import codec
 from fr_jax.transport import fr_jax_pb2 as pb
 from fr_jax.transport import server as srv
-from fr_jax.transport.client import GrpcClient
+from fr_jax.transport.client import STREAM_UP_S, GrpcClient
 from tests import XLA_TEST_FLAGS, tls_certs
-from tests.helpers import cfg, synth
+from tests.helpers import cfg, synth, wait_for
 
 # One device per child process.
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=XLA_TEST_FLAGS)
@@ -123,7 +123,8 @@ def test_client_loses_nothing_across_learner_restarts(tiny_model):
       assert client.flush(30)
       srv.stop(server, grace=0)  # the learner goes away mid-stream and comes back
       server, _ = srv.serve(service, f"127.0.0.1:{port}")
-      time.sleep(1.0)  # the client has reconnected before the next records come
+      # The client has reconnected before the next records come.
+      wait_for(lambda: srv.open_streams(server) == 1, 120, "the client's new stream")  # noqa: B023
     for _ in range(3):
       t = synth(k)
       client.push(t)
@@ -269,14 +270,15 @@ def test_nonfinite_batch_quarantines_the_offender_and_gives_the_rest_back(tmp_pa
     stop = threading.Event()
     timer = threading.Timer(300, stop.set)  # a guard against a hang, not a time limit: the
     timer.start()  # bisection compiles, and a loaded 2-core machine has taken over 20 s
-    m = service.step(service.next_batch(stop))
-    assert not m["finite"] and service.version == 0
-    batch = service.next_batch(stop)
-    assert batch is not None, "the rest of the poisoned batch was consumed"
-    assert [t.traj_id for t in batch] == [recs[i].traj_id for i in (0, 1, 3, 4)]
-    m = service.step(batch)
-    stop.set()
-    timer.cancel()
+    try:
+      m = service.step(service.next_batch(stop))
+      assert not m["finite"] and service.version == 0
+      batch = service.next_batch(stop)
+      assert batch is not None, "the rest of the poisoned batch was consumed"
+      assert [t.traj_id for t in batch] == [recs[i].traj_id for i in (0, 1, 3, 4)]
+      m = service.step(batch)
+    finally:
+      timer.cancel()  # also when an assertion fails: the timer thread would hold the exit
     assert m["finite"] and service.version == 1
     dl = dead_letters(tmp_path)
     assert [(r["traj_id"], r["reason"]) for r in dl] == [(recs[2].traj_id, "nonfinite_update")]
@@ -409,7 +411,7 @@ def test_heartbeats_answer_while_many_workers_hold_streams(tiny_model):
   streams = [GrpcClient(f"127.0.0.1:{port}", worker_id=f"s{k}") for k in range(80)]
   probe = GrpcClient(f"127.0.0.1:{port}", worker_id="probe")
   try:
-    time.sleep(2.0)  # every client has opened its trajectory stream
+    wait_for(lambda: srv.open_streams(server) == 80, 120, "every client's trajectory stream")
     t0 = time.monotonic()
     hb = probe.heartbeat(dict(STATS), timeout=5.0)
     assert hb is not None and time.monotonic() - t0 < 1.0
@@ -533,7 +535,9 @@ def test_backoff_restarts_after_a_stream_that_was_up(tiny_model, caplog):
     srv.stop(server, grace=0)  # down long enough for the backoff to grow
     time.sleep(2.0)
     server, _ = srv.serve(service, f"127.0.0.1:{port}")
-    time.sleep(4.5)  # the pending backoff ends, the stream opens and stays up for seconds
+    # The pending backoff ends and the stream opens, then stays up past STREAM_UP_S.
+    wait_for(lambda: srv.open_streams(server) == 1, 120, "the idle client's stream")
+    time.sleep(STREAM_UP_S + 0.5)
     caplog.clear()
     srv.stop(server, grace=0)
     time.sleep(0.3)

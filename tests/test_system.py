@@ -19,6 +19,7 @@ from fr_jax.learner.synthetic import synthetic_trajectory
 from fr_jax.transport import codec
 from fr_jax.transport.client import GrpcClient
 from tests import XLA_TEST_FLAGS
+from tests.helpers import wait_for
 
 CONFIG = "--config=experiments/configs/tiny_test.py"
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=XLA_TEST_FLAGS)  # one device per process
@@ -28,17 +29,6 @@ def spawn(module, *args, log_path):
   return subprocess.Popen([sys.executable, "-m", module, CONFIG, *args],
                           stdout=subprocess.PIPE, stderr=open(log_path, "a"), text=True,
                           env=ENV)
-
-
-def wait_for(cond, timeout, what, procs=()):
-  t_end = time.monotonic() + timeout
-  while time.monotonic() < t_end:
-    if cond():
-      return
-    for p in procs:
-      assert p.poll() is None, f"{what}: a process exited early ({p.args[2]})"
-    time.sleep(0.2)
-  raise AssertionError(f"timed out waiting for {what}")
 
 
 def update_rows(run_dir):

@@ -130,7 +130,7 @@ def test_queue_blocks_when_full_and_keeps_order():
   assert q.put("a") and q.put("b")
   assert not q.put("c", timeout=0.05)  # full: backpressure
   threading.Timer(0.1, q.pop).start()
-  assert q.put("c", timeout=2.0)  # unblocked once the learner took one
+  assert q.put("c", timeout=120.0)  # unblocked once the learner took one (a hang guard)
   assert [q.pop(0.1), q.pop(0.1), q.pop(0.01)] == ["b", "c", None]
 
 

@@ -186,7 +186,9 @@ def serve(service, address: str = "127.0.0.1:0", *, token: str = "", tls_cert: s
   server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_streams + unary_threads,
                                                   thread_name_prefix="grpc"),
                        options=CHANNEL_OPTIONS, interceptors=interceptors)
-  rpc.add_to_server(_Servicer(service, max_streams), server)
+  servicer = _Servicer(service, max_streams)
+  rpc.add_to_server(servicer, server)
+  server.fr_jax_servicer = servicer  # open_streams() reads it
   port = (server.add_secure_port(address, creds) if creds is not None
           else server.add_insecure_port(address))
   if port == 0:
@@ -195,6 +197,12 @@ def serve(service, address: str = "127.0.0.1:0", *, token: str = "", tls_cert: s
   log.info("learner service on %s (port %d)%s%s", address, port,
            " with token" if token else "", " with mutual TLS" if tls_client_ca else "")
   return server, port
+
+
+def open_streams(server) -> int:
+  """Trajectory streams open on a server `serve` started, now."""
+  with server.fr_jax_servicer._lock:
+    return server.fr_jax_servicer.streams
 
 
 def stop(server, grace: float | None = 1.0):

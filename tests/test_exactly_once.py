@@ -411,7 +411,8 @@ def test_heartbeats_answer_while_many_workers_hold_streams(tiny_model):
   streams = [GrpcClient(f"127.0.0.1:{port}", worker_id=f"s{k}") for k in range(80)]
   probe = GrpcClient(f"127.0.0.1:{port}", worker_id="probe")
   try:
-    wait_for(lambda: srv.open_streams(server) == 80, 120, "every client's trajectory stream")
+    # Every client, the probe too, has opened its trajectory stream.
+    wait_for(lambda: srv.open_streams(server) == 81, 120, "every client's trajectory stream")
     t0 = time.monotonic()
     hb = probe.heartbeat(dict(STATS), timeout=5.0)
     assert hb is not None and time.monotonic() - t0 < 1.0

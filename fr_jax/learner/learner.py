@@ -137,7 +137,7 @@ class Programs:
 
   def __init__(self, kept: int = 64):
     self.kept = kept
-    self.compiles = 0  # programs compiled in this process (for tests and the run summary)
+    self.compiles = 0  # programs compiled in this process (the tests read it)
     self._programs: collections.OrderedDict = collections.OrderedDict()
     self._lock = threading.Lock()
 

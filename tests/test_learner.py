@@ -82,8 +82,7 @@ def test_equal_learners_share_one_compiled_update_and_different_ones_do_not():
   config compiles nothing and makes the same update bit for bit; a learner with another
   delta (a step-config field) compiles its own program and updates differently. Another
   learning rate (an optimizer field), mesh or bucket is another key."""
-  from fr_jax.learner import learner as learner_mod
-  programs = learner_mod.PROGRAMS
+  from fr_jax.learner.programs import PROGRAMS as programs
   (b,) = batches(1)
 
   def run(**kw):

@@ -14,7 +14,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 import zlib
 from concurrent import futures
@@ -34,6 +33,7 @@ from fr_jax.transport import fr_jax_pb2 as pb
 from fr_jax.transport import server as srv
 from fr_jax.transport.client import WeightsClient
 from tests import XLA_TEST_FLAGS
+from tests.helpers import wait_for
 from tests.sglang_standin import PublishedWeights, StandInSGLang
 
 CONFIG = "--config=experiments/configs/tiny_test.py"  # tiny-chat, float32
@@ -279,17 +279,6 @@ def free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
-
-
-def wait_for(cond, timeout, what, procs=()):
-  t_end = time.monotonic() + timeout
-  while time.monotonic() < t_end:
-    if cond():
-      return
-    for p in procs:
-      assert p.poll() is None, f"{what}: {p.args[:4]} exited early"
-    time.sleep(0.05)
-  raise AssertionError(f"timed out waiting for {what}")
 
 
 def router_ready(url) -> bool:

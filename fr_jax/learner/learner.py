@@ -14,11 +14,9 @@ bisection, without touching the state.
 
 from __future__ import annotations
 
-import collections
 import functools
 import json
 import logging
-import threading
 import time
 from collections.abc import Sequence
 
@@ -34,6 +32,7 @@ from fr_jax.learner import config as lcfg
 from fr_jax.learner import diagnostics, multihost, optim, step
 from fr_jax.learner import mesh as meshlib
 from fr_jax.learner.metrics import MetricsWriter
+from fr_jax.learner.programs import PROGRAMS
 from fr_jax.models import decoder, registry
 from fr_jax.models.hf_io import export_hf
 from fr_jax.packing import PackingSpec, pack
@@ -126,45 +125,6 @@ def compile_update_from_shapes(config: ml_collections.ConfigDict, model_config, 
   fn = _jit_update(step_config(c, model_config), optimizer, lr_schedule, shardings, mesh)
   with jax.set_mesh(mesh):  # the decoder's per-shard paths read it (decoder._experts)
     return fn.lower(state, None, batch, stats).compile(), mesh
-
-
-class Programs:
-  """The compiled update and accumulate programs of every `Learner` in this process, shared:
-  two learners with the same step config, optimizer settings and argument shapes, dtypes and
-  shardings (hence mesh) run the same program, and only the first compiles it. The key holds
-  everything the program depends on (`Learner._program_key`); the `kept` most recently used
-  programs stay."""
-
-  def __init__(self, kept: int = 64):
-    self.kept = kept
-    self.compiles = 0  # programs compiled in this process (the tests read it)
-    self._programs: collections.OrderedDict = collections.OrderedDict()
-    self._lock = threading.Lock()
-
-  def get(self, key, compile_fn):
-    """(executable, compiled_now): the program under `key`, compiled by `compile_fn()` the
-    first time."""
-    with self._lock:
-      if key in self._programs:
-        self._programs.move_to_end(key)
-        return self._programs[key], False
-    exe = compile_fn()  # outside the lock: a learner in another thread may compile meanwhile
-    with self._lock:
-      self.compiles += 1
-      self._programs[key] = exe
-      while len(self._programs) > self.kept:
-        self._programs.popitem(last=False)
-    return exe, True
-
-  def clear(self) -> None:
-    with self._lock:
-      self._programs.clear()
-
-  def __len__(self) -> int:
-    return len(self._programs)
-
-
-PROGRAMS = Programs()
 
 
 def _collective(method):

@@ -11,17 +11,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fr_jax import objective as obj
 from fr_jax.learner import config as lcfg
-from fr_jax.learner import optim, step
+from fr_jax.learner import optim
 from fr_jax.learner.checkpoint import Checkpointer
 from fr_jax.learner.learner import Learner
 from fr_jax.learner.metrics import read_jsonl
 from fr_jax.models import decoder, registry
-from fr_jax.packing import PackingSpec, pack
 from fr_jax.trajectory import TrajectoryError, validate
 from tests import learner_driver
-from tests.helpers import batches, forward, max_diff, tiny_config
+from tests.helpers import accumulated, batches, forward, max_diff, tiny_config
 
 
 def test_mesh_4x2_equals_single_device():
@@ -111,26 +109,14 @@ def test_equal_learners_share_one_compiled_update_and_different_ones_do_not():
 
 def test_grad_accumulation_over_4_micro_batches_equals_one_pass():
   (b,) = batches(1, fixed_completion=40)  # 45-56 tokens each: one per 64-token row
-  c = tiny_config(**{"packing.row_len": 64})
-  L1 = Learner(c)
-  sc = L1.step_config
-  params = L1.params
-  B = len(b)
-  stats = obj.BatchStats(jnp.float32(B), jnp.float32(sum(t.reward for t in b)),
-                         jnp.float32(sum(t.num_action_tokens for t in b)))
-  one = pack(b, PackingSpec(64, (8,), 32)).batches
-  four = pack(b, PackingSpec(64, (2,), 32)).batches
-  assert len(one) == 1 and len(four) == 4
-  acc = jax.jit(lambda p, a, b, st: step.accumulate(p, a, b, st, sc=sc)[0])
-  g1 = acc(params, None, one[0], stats)
-  g4 = None
-  for mb in four:
-    g4 = acc(params, g4, mb, stats)
+  L1 = Learner(tiny_config(**{"packing.row_len": 64}))
+  L4 = Learner(tiny_config(**{"packing.row_len": 64, "packing.row_buckets": (2,)}))
+  (n1, g1), (n4, g4) = accumulated(L1, b), accumulated(L4, b)
+  assert n1 == 1 and n4 == 4
   assert float(optim.optax.tree.norm(g1["grads"])) > 0
   assert max_diff(g1["grads"], g4["grads"]) <= 1e-5
   assert float(g1["sums"]["loss"]) == pytest.approx(float(g4["sums"]["loss"]), abs=1e-6)
   # End to end: the learner with 2-row buckets makes the same update as with 8-row ones.
-  L4 = Learner(tiny_config(**{"packing.row_len": 64, "packing.row_buckets": (2,)}))
   m1, m4 = L1.update(b), L4.update(b)
   assert m1["micro_batches"] == 1 and m4["micro_batches"] == 4
   assert max_diff(L1.params, L4.params) <= 1e-5

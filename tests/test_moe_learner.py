@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 from fr_jax.learner import mesh as meshlib
 from fr_jax.learner.learner import Learner
 from fr_jax.models import decoder, registry
-from tests.helpers import batches, max_diff, tiny_config
+from tests.helpers import accumulated, batches, max_diff, tiny_config
 
 MODEL = "tiny-qwen3-moe"
 EXPERTS = ("experts_gate", "experts_up", "experts_down")
@@ -53,17 +53,6 @@ def data(model):
   return [with_own_routing(b, model) for b in batches(2)]
 
 
-def accumulated_grads(learner, trajs):
-  """The summed gradient and loss of `step.accumulate` over the batch at the learner's
-  current parameters (nothing applied)."""
-  mean = float(np.mean([t.reward for t in trajs]))
-  packed, stats, dbs = learner._micro_batches(trajs, mean, None)
-  acc = None
-  for db in dbs:
-    acc, _ = learner._jit_accumulate(learner.params, acc, db, stats)
-  return jax.device_get(acc["grads"]), float(acc["sums"]["loss"])
-
-
 def largest(tree):
   return max(float(np.max(np.abs(x))) for x in jax.tree.leaves(tree))
 
@@ -78,10 +67,12 @@ def test_mesh_equals_single_device(model, data, replay, impl):
                                                        "mesh.fsdp": shape[1]}), model=model)
             for shape in ((4, 2), (1, 8))}
   # The same gradient, subtree by subtree (the experts' are ~30x smaller than the rest's).
-  g1, loss1 = accumulated_grads(single, data[0])
+  _, g1 = accumulated(single, data[0])
+  g1, loss1 = g1["grads"], float(g1["sums"]["loss"])
   assert largest(g1["moe"]) > 1e-5
   for shape, L in meshes.items():
-    g, loss = accumulated_grads(L, data[0])
+    _, g = accumulated(L, data[0])
+    g, loss = g["grads"], float(g["sums"]["loss"])
     assert loss == pytest.approx(loss1, rel=1e-5, abs=1e-7), shape
     for k in g1:
       assert max_diff(g1[k], g[k]) <= 1e-5 * largest(g1[k]), (shape, k)

@@ -222,21 +222,21 @@ def test_sixteen_flooding_workers_keep_memory_bounded(tmp_path):
 def test_ctrl_c_then_the_same_command_resumes(tmp_path):
   """launch.train: SIGINT stops after the current update with a checkpoint; rerunning the same
   command continues from it to max_updates, without repeating an update."""
-  run = str(tmp_path)
+  run, N = str(tmp_path), 8
   cmd = [sys.executable, "-m", "launch.train", CONFIG, f"--run_dir={run}",
-         "--config.max_updates=8"]
+         f"--config.max_updates={N}"]
   p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
   wait_for(lambda: version(run) >= 2, 180, "two updates", [p])
   p.send_signal(signal.SIGINT)
   out, err = p.communicate(timeout=120)
   assert p.returncode == 0 and "interrupted at version" in err, err[-2000:]
   stopped = json.loads(out.strip().splitlines()[-1])["version"]
-  assert 2 <= stopped < 8
+  assert 2 <= stopped < N
   out = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
   assert out.returncode == 0, out.stderr[-2000:]
   s = json.loads(out.stdout.strip().splitlines()[-1])
-  assert s["version"] == 8 and s["updates"] == 8 - stopped
-  assert [r["step"] for r in update_rows(run)] == list(range(1, 9))
+  assert s["version"] == N and s["updates"] == N - stopped
+  assert [r["step"] for r in update_rows(run)] == list(range(1, N + 1))
 
 
 def test_bad_config_fails_fast_with_one_line(tmp_path):

@@ -20,7 +20,9 @@ Ctrl-C saves a checkpoint and stops cleanly.
 With several processes (`--distributed` or `--coordinator_address`), every process builds the
 learner on one global mesh; process 0 serves gRPC, admits records, writes metrics and drives
 the run, and the others make each learner call it announces (`fr_jax/learner/multihost.py`,
-docs/system.md). Workers and weight relays connect to process 0 only. The run directory
+docs/system.md). Workers and weight relays connect to process 0 only. Every process needs
+the same secret, `$FR_JAX_TOKEN` (or `--auth_token`, or `$FR_JAX_LEARNER_SECRET`): process 0
+signs each call with it, because the coordinator's port takes writes from anyone. The run directory
 (checkpoints) must be one that every process can write: each writes its own shards.
 """
 
@@ -48,6 +50,8 @@ flags.DEFINE_bool("distributed", False, "join a multi-process learner (jax.distr
                   "without --coordinator_address JAX detects it (Slurm, TPU VMs, ...)")
 flags.DEFINE_string("coordinator_address", "", "jax.distributed coordinator host:port "
                     "(implies --distributed)")
+flags.DEFINE_string("coordinator_bind_address", "", "where process 0's coordinator listens "
+                    "(default: the coordinator address itself, not every interface)")
 flags.DEFINE_integer("num_processes", 0, "jax.distributed: processes in the learner "
                      "(0: detected)")
 flags.DEFINE_integer("process_id", -1, "jax.distributed: this process's index (-1: detected)")
@@ -60,7 +64,12 @@ def main(argv):
   c = common.load_config()
   if FLAGS.distributed or FLAGS.coordinator_address:
     from fr_jax.learner import multihost
-    multihost.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+    try:  # the calls process 0 announces are signed with the run's secret
+      multihost.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
+                           secret=os.environ.get(multihost.SECRET_ENV[0]) or FLAGS.auth_token,
+                           bind_address=FLAGS.coordinator_bind_address)
+    except multihost.NoSecret as e:
+      common.fail(str(e))
     import jax
     if jax.process_index() != 0:
       return follow(c)

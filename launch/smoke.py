@@ -11,6 +11,7 @@ the learner fails or times out.
 
 import json
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -58,7 +59,8 @@ def main(argv):
   if n > 1:
     d = FLAGS.learner_devices
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={d}")
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={d}",
+               FR_JAX_LEARNER_SECRET=secrets.token_hex(16))  # signs the learner's calls
     learner_args += [f"--coordinator_address=127.0.0.1:{free_port()}",
                      f"--num_processes={n}", f"--config.mesh.data={n}",
                      f"--config.mesh.fsdp={d}", f"--config.packing.row_buckets=({n * d},)"]

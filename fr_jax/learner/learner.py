@@ -130,7 +130,11 @@ def compile_update_from_shapes(config: ml_collections.ConfigDict, model_config, 
 def _collective(method):
   """A learner call that every process of a multi-process learner makes: process 0
   announces it (`multihost.Group.announce`) before making it; the others make it in
-  `Learner.follow`."""
+  `Learner.follow`. Only the calls `multihost.CALLS` lists (with their argument checks) are
+  ever made by a follower."""
+  if method.__name__ not in multihost.CALLS:
+    raise TypeError(f"{method.__name__} is not in multihost.CALLS")
+
   @functools.wraps(method)
   def call(self, *args, **kwargs):
     if self.group is not None and self.group.leader:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fr_jax import durable
 from fr_jax.rollout.agent import (
   RESPONSE_CLOSE,
   RESPONSE_OPEN,
@@ -128,15 +129,9 @@ def read_jsonl(path) -> list[list[dict]]:
 
 
 def write_jsonl(path, conversations: Iterable[list[dict]]) -> Path:
-  """Writes conversations as JSONL (through a temporary file, renamed when complete)."""
-  path = Path(path)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  tmp = path.with_suffix(path.suffix + ".tmp")
-  with open(tmp, "w", encoding="utf-8") as f:
-    for msgs in conversations:
-      f.write(json.dumps({"messages": msgs}) + "\n")
-  tmp.replace(path)
-  return path
+  """Writes conversations as JSONL, whole or not at all (`durable.write_file`)."""
+  return durable.write_file(path, "".join(json.dumps({"messages": m}) + "\n"
+                                          for m in conversations))
 
 
 def demonstrations(env, n: int, *, seed: int = 0, tool_fraction: float = 0.5) -> list:

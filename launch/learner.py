@@ -86,10 +86,8 @@ def main(argv):
   server, port = srv.serve(service, address, token=FLAGS.auth_token,
                            max_streams=c.service.max_streams, **tls)
   if FLAGS.port_file:
-    tmp = FLAGS.port_file + ".tmp"
-    with open(tmp, "w") as f:
-      f.write(str(port))
-    os.replace(tmp, FLAGS.port_file)
+    from fr_jax import durable
+    durable.write_file(FLAGS.port_file, str(port))
   print(f"learner serving on {address.rsplit(':', 1)[0]}:{port} at version "
         f"{service.version}", flush=True)
   stop = threading.Event()

@@ -99,8 +99,8 @@ def warm_start(c, model, out_dir: str, *, stop=None, progress: bool = True,
     learner.save(force=True)
     done = learner.version >= c.sft.steps
     export = os.path.join(out_dir, "export")
-    if done and not os.path.exists(os.path.join(export, "config.json")):
-      learner.export_hf(export)
+    if done and _export_step(export) != learner.version:
+      _export(learner, export)
     params = learner.snapshot_params()
   finally:
     if bar is not None:
@@ -110,6 +110,29 @@ def warm_start(c, model, out_dir: str, *, stop=None, progress: bool = True,
               data=data, resumed_from=start, loss_first=first, loss_last=last,
               export=export if done else None, wall_s=round(time.time() - t0, 1),
               params=params)
+
+
+EXPORT_STAMP = "fr_jax_export.json"  # in the export: the SFT step its weights are from
+
+
+def _export_step(export: str) -> int | None:
+  try:
+    return int(json.loads(open(os.path.join(export, EXPORT_STAMP)).read())["step"])
+  except (OSError, ValueError, KeyError, TypeError):
+    return None
+
+
+def _export(learner, export: str) -> None:
+  """The HF export with its stamp, swapped in whole (`durable.write_dir`): a kill leaves the
+  previous export or none, never one that looks complete and is not."""
+  from fr_jax import durable
+
+  def fill(d):
+    learner.export_hf(d)
+    (d / EXPORT_STAMP).write_text(json.dumps({"step": learner.version}))
+
+  durable.clean_partial(os.path.dirname(export) or ".", prefix=f".{os.path.basename(export)}.")
+  durable.write_dir(export, fill)
 
 
 def main(argv):

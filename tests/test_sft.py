@@ -245,3 +245,32 @@ def test_sft_resume_equals_an_uninterrupted_run(tmp_path):
   # A finished warm start is found finished, not redone.
   again = warm_start(c, registry.load("tiny-chat"), str(tmp_path / "cut"), progress=False)
   assert again["resumed_from"] == 4 and again["loss_first"] is None
+
+
+def test_sft_crash_then_more_steps_keeps_one_metric_row_per_step_and_a_fresh_export(tmp_path):
+  """A crash after step 3 (its metric row written, its checkpoint not: every 2) resumes from
+  2 and redoes 3 without writing its row twice; a finished warm start asked for more steps
+  exports the new weights, not the earlier export; the export is swapped in whole."""
+  c = _tiny_config(tmp_path, steps=4)
+  out = str(tmp_path / "run")
+
+  class Crash(Exception):
+    pass
+
+  def crash(step, m):
+    if step == 3:
+      raise Crash
+
+  with pytest.raises(Crash):
+    warm_start(c, registry.load("tiny-chat"), out, progress=False, on_step=crash)
+  done = warm_start(c, registry.load("tiny-chat"), out, progress=False)
+  assert done["resumed_from"] == 2 and done["finished"]
+  steps = [json.loads(line)["step"] for line in open(tmp_path / "run" / "metrics.jsonl")
+           if '"loss"' in line]
+  assert steps == [1, 2, 3, 4]
+  c.sft.steps = 6
+  more = warm_start(c, registry.load("tiny-chat"), out, progress=False)
+  assert more["resumed_from"] == 4 and more["steps"] == 6 and more["finished"]
+  loaded = registry.load(f"hf:{more['export']}")
+  np.testing.assert_allclose(_flat(loaded.params), _flat(more["params"]), rtol=0, atol=0)
+  assert not [p for p in (tmp_path / "run").iterdir() if p.name.startswith(".export")]

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fr_jax import durable
 from fr_jax.models import decoder, registry
 from fr_jax.models.hf_io import load_hf
 from fr_jax.rollout.engine import Request
@@ -132,7 +133,7 @@ def test_write_version_is_whole_or_invisible(tmp_path):
   assert flat_equal(load_hf(tmp_path / "v00000001")[1], p2)
   for v in (2, 3, 4):
     relay.write_version(tmp_path, v, p1, cfg)
-  assert relay.prune(tmp_path, keep=2, current=4) == [1, 2]
+  assert durable.prune(tmp_path, 4, keep=2) == [1, 2]
   assert relay.versions_on_disk(tmp_path) == [3, 4]
 
 
@@ -155,6 +156,7 @@ def test_a_kill_mid_write_leaves_no_visible_version(tmp_path):
   code = f"""
 import sys, time
 from pathlib import Path
+from fr_jax import durable
 from fr_jax.models import decoder, registry
 from fr_jax.transport import relay
 def slow(path, params, cfg, tokenizer_files=None):

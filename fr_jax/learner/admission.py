@@ -45,7 +45,7 @@ import time
 import zlib
 from pathlib import Path
 
-from fr_jax import faults
+from fr_jax import durable, faults
 from fr_jax.trajectory import record_key
 
 log = logging.getLogger("fr_jax.service")
@@ -57,14 +57,6 @@ def _write_all(fd: int, data: bytes) -> None:
   view = memoryview(data)
   while view:
     view = view[os.write(fd, view):]
-
-
-def _fsync_dir(path: Path) -> None:
-  fd = os.open(path, os.O_RDONLY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
 
 
 def _frame(raw: bytes) -> bytes:
@@ -80,21 +72,6 @@ def _frame_at(data: bytes, i: int) -> tuple[bool, int | None]:
   if n == 0 or end > len(data):
     return False, None
   return zlib.crc32(data[i + FRAME.size:end]) == crc, n
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-  tmp = path.with_name(path.name + ".tmp")
-  fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-  try:
-    _write_all(fd, data)
-    os.fsync(fd)
-  except OSError:
-    os.close(fd)
-    tmp.unlink(missing_ok=True)
-    raise
-  os.close(fd)
-  os.replace(tmp, path)
-  _fsync_dir(path.parent)
 
 
 class AdmissionLog:
@@ -113,7 +90,7 @@ class AdmissionLog:
     self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     self._size = os.fstat(self._fd).st_size
     if not existed:
-      _fsync_dir(self.path.parent)
+      durable.fsync_path(self.path.parent)
 
   def __len__(self):
     return len(self._live)
@@ -191,7 +168,7 @@ class AdmissionLog:
 
   def _rewrite(self, entries: dict) -> None:  # holds the lock
     data = b"".join(_frame(e[0]) for e in entries.values())
-    _atomic_write(self.path, data)
+    durable.write_file(self.path, data)
     self._drop_fd()
     self._size = len(data)
     self._live = entries

@@ -461,12 +461,15 @@ class Learner:
 
   @_collective
   def restore(self, step_: int | None = None) -> dict | None:
-    """Restores the latest checkpoint if there is one; returns its meta (with data_state)."""
-    if self.checkpointer is None or self.checkpointer.latest_step() is None:
-      return None
-    state, meta, s = self.checkpointer.restore(self.state, step_)
-    self.state = jax.device_put(state, self._state_shardings)
-    log.info("restored checkpoint at version %d from %s", s, self.checkpointer.dir)
+    """Restores the latest checkpoint if there is one; returns its meta (with data_state).
+    The metric rows of updates past the restored version (or of all, with no checkpoint)
+    are dropped: they will be made again."""
+    meta = None
+    if self.checkpointer is not None and self.checkpointer.latest_step() is not None:
+      state, meta, s = self.checkpointer.restore(self.state, step_)
+      self.state = jax.device_put(state, self._state_shardings)
+      log.info("restored checkpoint at version %d from %s", s, self.checkpointer.dir)
+    self.writer.forget_after(self.version)
     return meta
 
   @_collective

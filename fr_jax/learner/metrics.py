@@ -11,6 +11,8 @@ from pathlib import Path
 from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
+from fr_jax import durable
+
 
 def _scalar(v):
   try:
@@ -49,15 +51,18 @@ class MetricsWriter:
     self._tb.add_event(event_pb2.Event(wall_time=row["time"], step=int(step),
                                        summary=summary_pb2.Summary(value=values)))
 
-  def rewrite(self, rows: list[dict]) -> None:
-    """Replaces metrics.jsonl with `rows` (a resumed run drops rows of undone updates)."""
+  def forget_after(self, step: int) -> None:
+    """Drops the metrics.jsonl rows past `step`: a run resumed from the checkpoint at `step`
+    redoes those updates and writes their rows again. (TensorBoard readers keep the newest
+    event per step.)"""
     if not self.dir:
       return
+    path = self.dir / "metrics.jsonl"
+    self._jsonl.flush()
+    rows = [r for r in read_jsonl(path) if r["step"] <= step]  # a torn last line goes too
     self._jsonl.close()
-    tmp = self.dir / "metrics.jsonl.tmp"
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    tmp.replace(self.dir / "metrics.jsonl")
-    self._jsonl = open(self.dir / "metrics.jsonl", "a", buffering=1)
+    durable.write_file(path, "".join(json.dumps(r) + "\n" for r in rows))
+    self._jsonl = open(path, "a", buffering=1)
 
   def flush(self):
     if self._tb:

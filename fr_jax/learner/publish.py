@@ -6,15 +6,19 @@ taken between updates and handed out by version (`weights(min_version)`), never 
 With `keep` > 1 the last `keep` versions stay available by number (`weights_at`), for a
 worker that samples at a fixed lag (`rollout.fixed_lag`).
 With an HF export directory each publication is also written as HF safetensors for SGLang
-fleets (`vNNNNNNNN`, the last two kept).
+fleets, as a whole directory `vNNNNNNNN` (`durable.write_version`: a reader sees it whole or
+not at all). Pruning keeps the version just written and the previous publication (servers
+may still be loading it); after a restart, which has no previous publication, the newest
+other version on disk (what the fleet may still serve). A restarted learner's version is
+below the ones it wrote before; it is never the one pruned.
 """
 
 from __future__ import annotations
 
 import collections
-import shutil
 import threading
-from pathlib import Path
+
+from fr_jax import durable
 
 
 class Publisher:
@@ -24,6 +28,7 @@ class Publisher:
     self.learner = learner
     self.hf_export_dir = hf_export_dir
     self.hf_dir = ""  # the newest export, for SGLang fleets
+    self._exported = None  # the previous export's version (None: none by this process)
     self._lock = threading.Lock()
     self._kept: collections.OrderedDict = collections.OrderedDict()  # version -> params
     self.keep = keep
@@ -42,11 +47,13 @@ class Publisher:
     """Snapshots the learner's current parameters as `version` (call between updates)."""
     params = self.learner.snapshot_params()
     if self.hf_export_dir:
-      path = Path(self.hf_export_dir) / f"v{version:08d}"
-      self.learner.export_hf(path, params)
+      if self._exported is None:
+        durable.clean_partial(self.hf_export_dir)
+      path = durable.write_version(self.hf_export_dir, version,
+                                   lambda d: self.learner.export_hf(d, params))
       self.hf_dir = str(path)
-      for old in sorted(Path(self.hf_export_dir).glob("v*"))[:-2]:  # keep the last two
-        shutil.rmtree(old, ignore_errors=True)
+      durable.prune(self.hf_export_dir, version, keep=2, also=self._exported)
+      self._exported = version
     with self._lock:
       for v in [v for v in self._kept if v >= version]:  # a restored learner went back
         del self._kept[v]

@@ -11,10 +11,8 @@ exactly the records it still owes, neither used by a checkpointed update nor dea
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 from fr_jax.learner.admission import owed_records
-from fr_jax.learner.metrics import read_jsonl
 from fr_jax.trajectory import record_key
 
 log = logging.getLogger("fr_jax.service")
@@ -47,9 +45,10 @@ class Recovery:
 
   def restore(self) -> dict | None:
     """Restores the latest committed checkpoint (parameters, optimizer, version, producer
-    watermarks, counts); forgets the metric rows of updates it does not hold (they are
-    redone); queues again what the admission log still owes (neither used by a checkpointed
-    update nor dead-lettered). Returns the checkpoint's meta, or None when starting fresh."""
+    watermarks, counts; `Learner.restore` forgets the metric rows of updates it does not
+    hold, which are redone); queues again what the admission log still owes (neither used
+    by a checkpointed update nor dead-lettered). Returns the checkpoint's meta, or None
+    when starting fresh."""
     meta = self.learner.restore()
     if meta is not None:
       self._version = self.learner.version
@@ -59,9 +58,6 @@ class Recovery:
       self.admitted = int(data.get("admitted", 0))
       self.used = int(data.get("used", 0))
       self.publish()
-    jl = self.learner.writer.dir and Path(self.learner.writer.dir) / "metrics.jsonl"
-    if jl and jl.exists():
-      self.learner.writer.rewrite([r for r in read_jsonl(jl) if r["step"] <= self.version])
     self._replay()
     return meta
 

@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 
 import gguf
 import numpy as np
 from gguf.gguf_writer import GGUFValue
 
+from fr_jax import durable
 from fr_jax.models.config import ModelConfig
 from fr_jax.models.hf_io import CheckpointError, iter_hf_tensors, params_from_hf_tensors
 
@@ -385,22 +385,19 @@ def save_gguf(path, params, cfg: ModelConfig, tokenizer_kv: dict[str, GGUFValue]
     else:
       w.add_tensor_info(g, a.shape, np.dtype(np.float32), nbytes, raw_dtype=qtype)
     total += nbytes
-  tmp = path.with_name(path.name + ".tmp")
-  path.parent.mkdir(parents=True, exist_ok=True)
-  try:
-    w.write_header_to_file(tmp)
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    n = len(w.tensors[0])
-    for k, (_name, a) in enumerate(gguf_tensors(), 1):
-      w.write_tensor_data(_encode(a, _tensor_type(a.shape, dtype)))
-      if k % 50 == 0 or k == n:
-        log.info("GGUF %s: %d/%d tensors written", dtype, k, n)
-    w.close()
-  except BaseException:
-    w.close()
-    tmp.unlink(missing_ok=True)
-    raise
-  os.replace(tmp, path)
+  def write(tmp):
+    try:
+      w.write_header_to_file(tmp)
+      w.write_kv_data_to_file()
+      w.write_ti_data_to_file()
+      n = len(w.tensors[0])
+      for k, (_name, a) in enumerate(gguf_tensors(), 1):
+        w.write_tensor_data(_encode(a, _tensor_type(a.shape, dtype)))
+        if k % 50 == 0 or k == n:
+          log.info("GGUF %s: %d/%d tensors written", dtype, k, n)
+    finally:
+      w.close()
+
+  durable.write_file(path, write)
   log.info("wrote %s (%.1f MB, %s)", path, path.stat().st_size / 1e6, dtype)
   return path

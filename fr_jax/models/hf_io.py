@@ -18,7 +18,6 @@ one preallocated array per kind, reading one tensor at a time from the memory-ma
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -27,6 +26,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from fr_jax import durable
 from fr_jax.models import decoder
 from fr_jax.models.config import ModelConfig, from_hf_config, to_hf_config
 
@@ -233,11 +233,14 @@ def save_hf(path, params, cfg: ModelConfig, *, tokenizer_files: dict | None = No
   """Writes config.json and safetensors (sharded with an index above `max_shard_bytes`).
 
   `tokenizer_files` maps file names (tokenizer.json, tokenizer_config.json, ...) to their
-  text, written beside the weights so the directory is self-contained. Files are written
-  under a temporary name and renamed, so a reader never sees a half-written checkpoint.
+  text, written beside the weights so the directory is self-contained. Every file is written
+  as a temporary first and renamed into place only when all are whole (`durable.write_files`):
+  a full disk part-way leaves the old checkpoint untouched. Shards of an earlier export that
+  this one does not write are removed last. A directory that others read while it is
+  rewritten (published versions, exports) goes through `durable.write_dir` instead, which
+  swaps it whole.
   """
   path = Path(path)
-  path.mkdir(parents=True, exist_ok=True)
   tensors = hf_tensors_from_params(params, cfg)
   shards, cur, size = [], {}, 0
   for name in sorted(tensors):
@@ -249,26 +252,23 @@ def save_hf(path, params, cfg: ModelConfig, *, tokenizer_files: dict | None = No
     size += nbytes
   shards.append(cur)
   meta = {"format": "pt"}  # transformers expects this metadata key
-  for old in path.glob("model*.safetensors*"):
-    old.unlink()
+  files: dict = {}
   if len(shards) == 1:
-    _atomic(path / "model.safetensors", lambda p: save_file(shards[0], p, metadata=meta))
+    files["model.safetensors"] = lambda p: save_file(shards[0], str(p), metadata=meta)
   else:
     n = len(shards)
     weight_map = {}
     for i, shard in enumerate(shards, 1):
       fname = f"model-{i:05d}-of-{n:05d}.safetensors"
-      _atomic(path / fname, lambda p, s=shard: save_file(s, p, metadata=meta))
+      files[fname] = lambda p, s=shard: save_file(s, str(p), metadata=meta)
       weight_map.update({k: fname for k in shard})
     index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
              "weight_map": weight_map}
-    _atomic(path / "model.safetensors.index.json",
-            lambda p: Path(p).write_text(json.dumps(index, indent=2)))
-  _atomic(path / "config.json",
-          lambda p: Path(p).write_text(json.dumps(to_hf_config(cfg), indent=2)))
-  for name, text in (tokenizer_files or {}).items():
-    _atomic(path / name, lambda p, t=text: Path(p).write_text(t))
-  return path
+    files["model.safetensors.index.json"] = json.dumps(index, indent=2)
+  files["config.json"] = json.dumps(to_hf_config(cfg), indent=2)
+  files.update(tokenizer_files or {})
+  stale = [p.name for p in path.glob("model*.safetensors*")] if path.is_dir() else []
+  return durable.write_files(path, files, remove=stale)
 
 
 def export_hf(path, params, cfg: ModelConfig, tokenizer=None) -> Path:
@@ -277,8 +277,3 @@ def export_hf(path, params, cfg: ModelConfig, tokenizer=None) -> Path:
   files = tokenizer.files() if tokenizer is not None else None
   return save_hf(path, params, cfg, tokenizer_files=files)
 
-
-def _atomic(target: Path, write):
-  tmp = target.with_name(target.name + ".tmp")
-  write(str(tmp))
-  os.replace(tmp, target)

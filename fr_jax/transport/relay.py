@@ -31,10 +31,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import os
-import re
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -42,13 +38,13 @@ from pathlib import Path
 
 import numpy as np
 
+from fr_jax import durable
 from fr_jax.models import decoder
 from fr_jax.models.config import ModelConfig
 from fr_jax.models.hf_io import save_hf
 from fr_jax.transport import codec
 
 log = logging.getLogger("fr_jax.relay")
-VERSION_DIR = re.compile(r"^v(\d{8,})$")
 
 
 class RelayError(RuntimeError):
@@ -128,79 +124,19 @@ def hf_major(params: dict) -> dict:
   return params
 
 
-# --- versions on local disk ---
-def version_dir(root, version: int) -> Path:
-  return Path(root) / f"v{version:08d}"
-
-
-def versions_on_disk(root) -> list[int]:
-  """Whole versions under `root`, oldest first (hidden partial directories are not)."""
-  root = Path(root)
-  if not root.is_dir():
-    return []
-  return sorted(int(m.group(1)) for p in root.iterdir()
-                if p.is_dir() and (m := VERSION_DIR.match(p.name)))
-
-
-def _fsync(path: Path) -> None:
-  fd = os.open(path, os.O_RDONLY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
+# --- versions on local disk (fr_jax.durable) ---
+version_dir, versions_on_disk, clean_partial = (durable.version_dir, durable.versions_on_disk,
+                                                durable.clean_partial)
 
 
 def write_version(root, version: int, params, cfg: ModelConfig,
                   tokenizer_files: dict | None = None, *, save=save_hf) -> Path:
-  """Writes `params` as HF safetensors to `root/vNNNNNNNN`, atomically: into a hidden
-  temporary directory, every file and the directory fsynced, renamed, the parent fsynced.
-  On any exception (or a kill) no `vNNNNNNNN` is left half-written. A version already there
-  (a learner that restarted from an older checkpoint publishes its numbers again) is
-  replaced whole."""
-  root = Path(root)
-  root.mkdir(parents=True, exist_ok=True)
-  final = version_dir(root, version)
-  tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=root))
-  old = None
-  try:
-    save(tmp, params, cfg, tokenizer_files=tokenizer_files)
-    for f in tmp.iterdir():
-      _fsync(f)
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the server may run as another user
-    _fsync(tmp)
-    if final.exists():
-      old = root / f".{final.name}.replaced-{os.getpid()}"
-      os.rename(final, old)
-    os.rename(tmp, final)
-    _fsync(root)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
-  if old is not None:
-    shutil.rmtree(old, ignore_errors=True)
-  return final
-
-
-def clean_partial(root) -> list[str]:
-  """Removes what an interrupted write left (hidden `.vNNNNNNNN.*` directories); returns
-  their names. Call at start, before anything writes to `root`."""
-  root = Path(root)
-  gone = []
-  if root.is_dir():
-    for p in root.iterdir():
-      if p.is_dir() and p.name.startswith(".v"):
-        shutil.rmtree(p, ignore_errors=True)
-        gone.append(p.name)
-  return gone
-
-
-def prune(root, keep: int, current: int) -> list[int]:
-  """Keeps `current` and the newest `keep - 1` other versions; returns those removed."""
-  others = [v for v in versions_on_disk(root) if v != current]
-  drop = others[:max(len(others) - (keep - 1), 0)]
-  for v in drop:
-    shutil.rmtree(version_dir(root, v), ignore_errors=True)
-  return drop
+  """Writes `params` as HF safetensors to `root/vNNNNNNNN`, whole or not at all
+  (`durable.write_version`: a hidden temporary directory, fsynced, renamed). A version
+  already there (a learner that restarted from an older checkpoint publishes its numbers
+  again) is replaced whole."""
+  return durable.write_version(root, version,
+                               lambda d: save(d, params, cfg, tokenizer_files=tokenizer_files))
 
 
 # --- the loop ---
@@ -310,9 +246,9 @@ class Relay:
                     backoff)
         backoff = self._wait(backoff, stop)
     d = Delivery(v, nbytes, fetch_s, write_s, time.perf_counter() - t0, attempts, str(path))
-    self.delivered = v
+    previous, self.delivered = self.delivered, v
     self.history.append(d)
-    prune(self.out_dir, self.keep, v)
+    durable.prune(self.out_dir, v, self.keep, also=previous if self.keep > 1 else None)
     self.say(d.line(self.server))
     return d
 

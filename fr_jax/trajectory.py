@@ -20,8 +20,8 @@ the engine's compact dtype (`ModelConfig.routing_dtype`); None when routing was 
 `REASONS`), never a bare assert. Besides the shape of the record it checks what the learner can
 digest: token ids inside the model's vocabulary, a reward that is finite in float32, behaviour
 log-probs above a floor (so exp(log pi - log mu) stays finite), bounded string fields, and,
-when the learner replays routing, routed_experts of the model's shape, in range and with k
-distinct experts per position and layer.
+for an MoE learner, routed_experts (required when it replays routing, else optional) of the
+model's shape, in range and with k distinct experts per position and layer.
 It runs once per record, where the record is admitted (the learner service, `launch.sft`, the
 replication driver); `Learner.update` takes admitted records as they are.
 
@@ -156,13 +156,13 @@ def record_key(traj_id: str) -> tuple[str, int]:
   return traj_id, 0
 
 
-def _check_routing(traj: Trajectory, routing: tuple[int, int, int] | None):
-  """routed_experts against the record's length and, when the learner replays routing,
-  `routing` = (sparse layers, k, num_experts). Vectorised: a 16k-token record of 48 layers x 8
-  experts takes about 10 ms."""
+def _check_routing(traj: Trajectory, routing: tuple[int, int, int] | None, required: bool):
+  """routed_experts against the record's length and, for an MoE learner, `routing` =
+  (sparse layers, k, num_experts); `required` when it replays routing. Vectorised: a
+  16k-token record of 48 layers x 8 experts takes about 10 ms."""
   r = traj.routed_experts
   if r is None:
-    if routing is not None:
+    if routing is not None and required:
       _fail("missing_routing", traj, f"no routed_experts, but the learner replays routing "
             f"(sparse layers, k, experts) = {tuple(routing)}: run the engine with routing "
             "replay on (Request.routed_experts_start)")
@@ -204,14 +204,17 @@ def _check_routing(traj: Trajectory, routing: tuple[int, int, int] | None):
 def validate(traj: Trajectory, *, max_length: int | None = None,
              vocab_size: int | None = None, logp_floor: float = LOGP_FLOOR,
              max_abs_reward: float = F32_MAX,
-             routing: tuple[int, int, int] | None = None) -> Trajectory:
+             routing: tuple[int, int, int] | None = None,
+             require_routing: bool = True) -> Trajectory:
   """Checks a record; returns it unchanged or raises `TrajectoryError` with a named reason.
   `vocab_size` (the model's) bounds token ids; `logp_floor` bounds behaviour log-probs of
   actions from below; |reward| must not exceed `max_abs_reward`. `routing` = (sparse layers,
-  k, num_experts) when the learner replays the engine's routing: the record must then carry
-  routed_experts of shape [length - 1, sparse layers, k] with k distinct ids in
-  [0, num_experts) per position and layer. Without it, routed_experts (if any) is only checked
-  to be an integer [length - 1, ., .] array."""
+  k, num_experts) for an MoE learner: routed_experts, whenever present, must have shape
+  [length - 1, sparse layers, k] with k distinct ids in [0, num_experts) per position and
+  layer (so its size is bounded by the record's length), and with `require_routing` (the
+  learner replays the engine's routing) it must be present. Without `routing` (a dense
+  learner, which strips routing at admission), routed_experts is only checked to be an
+  integer [length - 1, ., .] array."""
   if not isinstance(traj, Trajectory):
     raise TrajectoryError("bad_field", f"expected a Trajectory, got {type(traj).__name__}")
   for name in ("prompt_id", "traj_id", "env"):
@@ -259,7 +262,7 @@ def validate(traj: Trajectory, *, max_length: int | None = None,
   if max_length is not None and traj.length > max_length:
     _fail("too_long", traj, f"length {traj.length} (prompt {traj.prompt_tokens.shape[0]} + "
           f"completion {C}) exceeds the configured maximum {max_length}")
-  _check_routing(traj, routing)
+  _check_routing(traj, routing, require_routing)
 
   mask = traj.action_mask
   if not mask.any():

@@ -27,7 +27,7 @@ from fr_jax.transport import fr_jax_pb2 as pb
 from fr_jax.transport import server as srv
 from fr_jax.transport.client import STREAM_UP_S, GrpcClient
 from tests import XLA_TEST_FLAGS, tls_certs
-from tests.helpers import cfg, synth, wait_for
+from tests.helpers import cfg, synth, wait_for, with_routing
 
 # One device per child process.
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=XLA_TEST_FLAGS)
@@ -284,6 +284,84 @@ def test_nonfinite_batch_quarantines_the_offender_and_gives_the_rest_back(tmp_pa
     assert [(r["traj_id"], r["reason"]) for r in dl] == [(recs[2].traj_id, "nonfinite_update")]
     back = pb.Trajectory.FromString(base64.b64decode(dl[0]["record"]))
     assert back.reward == 3e38  # the offender is kept whole for inspection
+  finally:
+    close(learner, service)
+
+
+def _moe_service(run_dir):
+  from fr_jax.models import registry
+  c = cfg(run_dir, **{"model.name": "tiny-qwen3-moe", "routing_replay": False})
+  return system.build_service(c, registry.load("tiny-qwen3-moe"), admission_log=True)
+
+
+def _routed(i, k=2, experts=8, seed=0):
+  t = synth(i)
+  t.completion_tokens %= 256  # tiny-qwen3-moe's vocabulary
+  t.prompt_tokens %= 256
+  return with_routing(t, layers=4, k=k, num_experts=experts, seed=seed)
+
+
+def test_moe_routing_is_checked_without_replay_and_from_the_log(tmp_path, tiny_model):
+  """An MoE learner without routing replay still packs the routing records carry, so
+  admission checks it whole: a (layers, k+1) record used to be admitted and then crash every
+  update (`pack`: could not broadcast (n,4,3) into (n,4,2)), and be replayed from the log
+  after each restart; an expert id >= E used to pack silently. A record a dense learner gets
+  with routing is admitted without it."""
+  learner, service = _moe_service(tmp_path)
+  wide, out_of_range = _routed(1, k=3), _routed(2)
+  out_of_range.routed_experts[3, 1, 0] = 8  # expert 8 of 8
+  try:
+    got = [offer(service, t) for t in (_routed(0), wide, out_of_range, synth(3))]
+  finally:
+    close(learner, service)
+  assert [ok for ok, _ in got] == [True, False, False, True]
+  assert [why for _, why in got[1:3]] == ["bad_routing", "bad_routing"]
+  # A log an older learner wrote with the bad record in it: the restart refuses it.
+  from fr_jax.learner.admission import AdmissionLog
+  log, bad = AdmissionLog(tmp_path / "admission.log"), _routed(9, k=3)
+  log.append(bad.traj_id, raw(bad))
+  log.close()
+  learner, service = _moe_service(tmp_path)
+  try:
+    assert service.replayed == 2 and len(service.queue) == 2
+    assert [(r["traj_id"], r["reason"]) for r in dead_letters(tmp_path)] == \
+        [("w/n/9", "invalid_record")]
+  finally:
+    close(learner, service)
+  dense, dense_service = system.build_service(cfg(), tiny_model)
+  try:
+    assert dense_service.offer(with_routing(synth(4), layers=2, k=3)) == (True, "")
+    assert dense_service.queue.pop(1.0).routed_experts is None
+  finally:
+    close(dense, dense_service)
+
+
+def test_an_update_that_raises_dead_letters_its_batch_and_training_goes_on(tmp_path,
+                                                                          tiny_model):
+  learner, service = system.build_service(cfg(tmp_path, batch_size=2), tiny_model,
+                                          admission_log=True)
+  real = learner.update
+  calls = {"n": 0}
+
+  def update_once_raising(batch, **kw):  # the fault: an update that raises on one batch
+    calls["n"] += 1
+    if calls["n"] == 1:
+      raise ValueError("could not broadcast input array from shape (6,4,3) into (6,4,2)")
+    return real(batch, **kw)
+
+  learner.update = update_once_raising
+  try:
+    for i in range(4):
+      assert offer(service, synth(i)) == (True, "")
+    stop = threading.Event()
+    m = service.step(service.next_batch(stop))
+    assert not m["finite"] and "could not broadcast" in m["update_failed"]
+    assert service.version == 0
+    assert [(r["traj_id"], r["reason"]) for r in dead_letters(tmp_path)] == \
+        [("w/n/0", "update_failed"), ("w/n/1", "update_failed")]
+    assert "could not broadcast" in dead_letters(tmp_path)[0]["detail"]
+    m = service.step(service.next_batch(stop))
+    assert m["finite"] and service.version == 1
   finally:
     close(learner, service)
 

@@ -219,9 +219,20 @@ def test_routed_experts_from_a_list_becomes_an_array():
   assert good().routed_experts is None
 
 
+def test_an_moe_learner_without_replay_checks_routing_whenever_it_is_there():
+  # Not required (no replay), but packed when present: shape, range and distinctness hold.
+  assert rejection_reason(good(), routing=ROUTING, require_routing=False) is None
+  assert rejection_reason(good(routed_experts=routed()), routing=ROUTING,
+                          require_routing=False) is None
+  for bad in (routed(layers=2, k=4), with_id(routed(), (0, 0), [9, 9, 1]),
+              with_id(routed(), (3, 1), [0, 1, ROUTING[2]])):
+    assert rejection_reason(good(routed_experts=bad), routing=ROUTING,
+                            require_routing=False) == "bad_routing"
+
+
 def test_without_routing_only_the_layout_is_checked():
-  # The learner does not replay routing: no routed_experts is fine, and present ones are only
-  # checked to be integer [length - 1, ., .] (their range and distinctness are not looked at).
+  # A dense learner (it drops routing at admission): no routed_experts is fine, and present
+  # ones are only checked to be integer [length - 1, ., .].
   assert rejection_reason(good()) is None
   assert rejection_reason(good(routed_experts=routed())) is None
   assert rejection_reason(good(routed_experts=routed(layers=5, k=1))) is None

@@ -223,8 +223,10 @@ class Learner:
     """What a record must satisfy to be digestible by this model (`trajectory.validate`)."""
     limits = dict(max_length=self.spec.max_trajectory_length,
                   vocab_size=self.model_config.vocab_size)
-    if self.step_config.replay:  # every record must carry the engine's experts
+    if self.model_config.is_moe:  # routing, whenever present, is packed: check it all
       limits["routing"] = (*self.model_config.routing_shape, self.model_config.num_experts)
+      # Under replay every record must carry the engine's experts.
+      limits["require_routing"] = bool(self.step_config.replay)
     return limits
 
   def _routing(self, trajs) -> tuple[int, int] | None:
@@ -440,6 +442,11 @@ class Learner:
     if skipped:
       m["skipped_traj_ids"] = skipped
     return m
+
+  def state_intact(self) -> bool:
+    """False if an update that raised left the train state's buffers donated (deleted)."""
+    return not any(a.is_deleted() for a in jax.tree.leaves(self.state)
+                   if isinstance(a, jax.Array))
 
   # --- checkpoints and export ---
   @_collective

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 
 from fr_jax.learner.admission import owed_records
-from fr_jax.trajectory import record_key
+from fr_jax.trajectory import TrajectoryError, record_key
 
 log = logging.getLogger("fr_jax.service")
 
@@ -72,9 +72,15 @@ class Recovery:
                                            self.dead.ids())
     self.producers.forget_unsettled()
     self.log.reset([(t.traj_id, r) for t, r in owed], end)
-    future = []
+    future, invalid = [], 0
     for traj, _ in owed:
       self.producers.admit(*record_key(traj.traj_id), self.version, self.publisher.version)
+      try:  # admitted under another config or an older learner's checks: check again
+        self.check(traj)
+      except TrajectoryError as e:
+        self._dead_letter([traj], "invalid_record", f"{e.reason}: {e}")
+        invalid += 1
+        continue
       if self.lag(traj) < 0:
         future.append(traj)
       else:
@@ -83,7 +89,7 @@ class Recovery:
       self._dead_letter(future, "future_version", "sampled by weights newer than the "
                         f"checkpoint restored at version {self.version}")
     self.log_torn_frames += torn
-    self.replayed = len(owed) - len(future)
+    self.replayed = len(owed) - len(future) - invalid
     log.info("admission log: %d of %d records queued again, %d dead-lettered "
-             "(future_version), %d torn frame(s) skipped", self.replayed, frames,
-             len(future), torn)
+             "(future_version), %d refused (invalid_record), %d torn frame(s) skipped",
+             self.replayed, frames, len(future), invalid, torn)

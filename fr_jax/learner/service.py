@@ -50,7 +50,10 @@ log = logging.getLogger("fr_jax.service")
 SERVICE_REASONS = ("stale", "future_version", "duplicate", "decode", "shutdown",
                    "producer_expired")
 REJECTION_REASONS = REASONS + SERVICE_REASONS
-DEAD_LETTER_REASONS = ("stale", "nonfinite_update", "future_version")
+# update_failed: the update raised on the batch; invalid_record: a logged record that
+# admission now refuses (a log written by an older learner), named in the detail.
+DEAD_LETTER_REASONS = ("stale", "nonfinite_update", "future_version", "update_failed",
+                       "invalid_record")
 LAG_BINS = (0, 1, 2, 3, 4, 6, 8, 16, 32)  # histogram lower edges
 
 __all__ = ["LearnerService", "InflightController", "REJECTION_REASONS", "RETRY_REASONS"]
@@ -159,7 +162,7 @@ class LearnerService(Recovery):
       return self._reject("decode" if traj.reason == "bad_field" else traj.reason, "?",
                           str(traj))
     try:
-      validate(traj, **self.limits)
+      self.check(traj)
     except TrajectoryError as e:
       return self._reject(e.reason, getattr(traj, "traj_id", "?")[:64], str(e))
     with self._lock:
@@ -183,6 +186,13 @@ class LearnerService(Recovery):
       with self._admit:
         self._reserved.discard(key)
         self._admit.notify_all()
+
+  def check(self, traj) -> None:
+    """Admission's check of one record (raises TrajectoryError with its reason); a dense
+    learner drops routing a record carries (it would only be stored)."""
+    validate(traj, **self.limits)
+    if "routing" not in self.limits:
+      traj.routed_experts = None
 
   def _admit_reserved(self, traj, key, raw, timeout) -> tuple[bool, str]:
     lag = self.lag(traj)
@@ -275,7 +285,18 @@ class LearnerService(Recovery):
     t0 = time.perf_counter()
     # The lags measured when the batch was taken (no update ran since).
     lags = {t.traj_id: self._taken_lag.get(t.traj_id, self.lag(t)) for t in batch}
-    m = self.learner.update(batch, lags=[lags[t.traj_id] for t in batch])
+    try:
+      m = self.learner.update(batch, lags=[lags[t.traj_id] for t in batch])
+    except Exception as e:  # noqa: BLE001 -- any error the batch causes; the state decides
+      if not self.learner.state_intact():
+        raise  # the update consumed the state: restart from the last checkpoint
+      # A batch that makes the update raise would do so again: it is not retried.
+      detail = f"{type(e).__name__}: {str(e)[:500]}"
+      self._dead_letter(batch, "update_failed", detail)
+      log.error("update at version %d raised on its batch (%s); dead-lettered %d record(s)",
+                self.version, detail, len(batch))
+      self.busy_s += time.perf_counter() - t0
+      return {"finite": False, "update_failed": detail}  # nothing applied
     skipped = set(m.get("skipped_traj_ids") or ())
     if skipped:
       self._quarantine([t for t in batch if t.traj_id in skipped])

@@ -84,7 +84,7 @@ def main(argv):
   check_flags()
   c = common.load_config()
   from fr_jax.models import registry
-  from fr_jax.rollout.sglang import SGLangEngine, SGLangError
+  from fr_jax.rollout.sglang import Reason, SGLangEngine, SGLangError
   from fr_jax.transport import relay
   from fr_jax.transport.client import WeightsClient
   try:
@@ -99,6 +99,8 @@ def main(argv):
   r = relay.Relay(client, server.update_weights, FLAGS.dir, cfg, tokenizer_files,
                   server=FLAGS.sglang, keep=FLAGS.keep, poll_s=FLAGS.poll_s,
                   load_errors=(SGLangError,), fetch_timeout_s=FLAGS.fetch_timeout_s,
+                  # retried: no answer (a load of the same path and version is idempotent)
+                  unreachable=lambda e: e.reason in (Reason.UNREACHABLE, Reason.TIMEOUT),
                   say=lambda line: print(line, flush=True))
   stop = threading.Event()
   for sig in (signal.SIGTERM, signal.SIGINT):

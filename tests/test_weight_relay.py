@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 import zlib
 from concurrent import futures
@@ -28,7 +29,7 @@ from fr_jax import durable
 from fr_jax.models import decoder, registry
 from fr_jax.models.hf_io import load_hf
 from fr_jax.rollout.engine import Request
-from fr_jax.rollout.sglang import SGLangEngine
+from fr_jax.rollout.sglang import Reason, SGLangEngine, SGLangError
 from fr_jax.transport import codec, relay, rpc
 from fr_jax.transport import fr_jax_pb2 as pb
 from fr_jax.transport import server as srv
@@ -249,7 +250,7 @@ def test_damaged_or_cut_fetches_are_retried_until_whole(tmp_path, monkeypatch):
     r.load = flaky_load
     assert r.deliver(2, threading.Event()) is None and r.failures["write_failed"] == 1
     assert relay.versions_on_disk(tmp_path) == [1] and r.delivered == 1
-    assert r.deliver(2, threading.Event()).version == 2 and r.failures["load_failed"] == 1
+    assert r.deliver(2, threading.Event()).version == 2 and r.failures["load_unreachable"] == 1
     assert loads[-1] == (str(tmp_path / "v00000002"), 2) and r.delivered == 2
     # a relay configured for another model stops with a named error, writing nothing
     other = relay.Relay(client, loads.append, tmp_path / "other",
@@ -308,6 +309,53 @@ def scored(params, cfg, prompt, tokens, pad_to=64):
   table = np.asarray(_logp_table(params, cfg, jnp.asarray([seq + [0] * (pad_to - len(seq))])))
   p = len(prompt)
   return table[0, np.arange(p - 1, len(seq) - 1), tokens]
+
+
+def test_a_refused_load_is_not_retried_and_an_unreachable_server_is(tmp_path):
+  """A server that answers "no" to a load (success false: another model, a bad path) is not
+  asked again: each retry used to pause it in abort mode (8 pause/load/continue cycles in
+  6 s). The refusal is counted with its reason and the relay waits for another version; a
+  server that cannot be reached is retried until it can."""
+  service = PublishedWeights()
+  service.publish(1, host_params(11))
+  server, port = srv.serve(service)
+  standin = StandInSGLang(registry.load("tiny-llama"))  # serves another model: refuses
+  client = WeightsClient(f"127.0.0.1:{port}", worker_id="relay-test")
+  cfg, tok = relay.model_spec("tiny-chat")
+  engine = SGLangEngine(standin.url, retries=0)
+  r = relay.Relay(client, engine.update_weights, tmp_path, cfg, tok, backoff_min=0.05,
+                  load_errors=(SGLangError,), poll_s=0.1, say=lambda line: None,
+                  unreachable=lambda e: e.reason is Reason.UNREACHABLE)
+  stop = threading.Event()
+  t = threading.Thread(target=r.run, args=(stop,))
+  try:
+    t.start()
+    time.sleep(1.5)
+    stop.set()
+    t.join(30)
+    loads = [p for p, _ in standin.log if p == "/update_weights_from_disk"]
+    pauses = [p for p, _ in standin.log if p == "/pause_generation"]
+    assert (len(loads), len(pauses)) == (1, 1)
+    assert r.failures["load_refused"] == 1 and r.delivered == -1
+    assert "architecture differs" in r.refused[1]
+    # Unreachable (the server is down): retried until it answers.
+    standin.close()
+    calls = []
+
+    def down_twice(path, v):
+      calls.append(v)
+      if len(calls) <= 2:
+        raise SGLangError("cannot reach", Reason.UNREACHABLE)
+
+    r.load = down_twice
+    r.refused.clear()
+    assert r.deliver(1, threading.Event()).version == 1
+    assert calls == [1, 1, 1] and r.failures["load_unreachable"] == 2
+  finally:
+    stop.set()
+    client.close()
+    engine.close()
+    srv.stop(server)
 
 
 def test_router_two_servers_two_relays_exact_versions(tmp_path, tiny_model):

@@ -16,8 +16,12 @@ One loop, one version at a time:
    directory, which the next start removes; a write that fails (a full disk) leaves nothing
    and is tried again after the next poll. The last `keep` versions stay on disk.
 4. **Load.** `load(path, version)` (the launcher passes `SGLangEngine.update_weights`: pause,
-   `/update_weights_from_disk` with `weight_version`, continue); retried after a backoff
-   while it raises one of `load_errors`. Only then is the version delivered.
+   `/update_weights_from_disk` with `weight_version`, continue). Retried after a backoff
+   only while the server cannot be reached (`unreachable(error)` for an error of
+   `load_errors`). A server that answers with a refusal (another model, a bad path, an HTTP
+   error) is not asked again for that version (each try pauses it): the refusal is counted
+   (`load_refused`), kept in `refused` with its message, and the relay waits for another
+   version. Only a load that succeeds delivers the version.
 
 The HF config comes from the run config's model (`model_spec`: its shapes, GGUF metadata or
 config.json, never its weights) and is checked against every tensor received; a mismatch
@@ -164,6 +168,8 @@ class Relay:
   def __init__(self, client, load: Callable[[str, int], None], out_dir, cfg: ModelConfig,
                tokenizer_files: dict | None = None, *, server: str = "the server",
                keep: int = 2, poll_s: float = 1.0, load_errors: tuple = (OSError,),
+               unreachable: Callable[[BaseException], bool] = (
+                   lambda e: isinstance(e, (ConnectionError, TimeoutError))),
                backoff_min: float = 0.2, backoff_max: float = 5.0,
                fetch_timeout_s: float = 3600.0, max_fetch_attempts: int = 8,
                say: Callable[[str], None] = print):
@@ -172,6 +178,8 @@ class Relay:
     self.client, self.load, self.out_dir = client, load, Path(out_dir)
     self.cfg, self.tokenizer_files, self.server = cfg, tokenizer_files, server
     self.keep, self.poll_s, self.load_errors = keep, poll_s, load_errors
+    self.unreachable = unreachable
+    self.refused: dict[int, str] = {}  # version -> the server's refusal
     self.backoff_min, self.backoff_max = backoff_min, backoff_max
     self.fetch_timeout_s, self.say = fetch_timeout_s, say
     self.max_fetch_attempts = max_fetch_attempts
@@ -241,9 +249,15 @@ class Relay:
         self.load(str(path), v)
         break
       except self.load_errors as e:
-        self.failures["load_failed"] += 1
-        log.warning("relay: %s did not load v%d (%s); again in %.1f s", self.server, v, e,
-                    backoff)
+        if not self.unreachable(e):  # an answer: asking again would pause it again
+          self.failures["load_refused"] += 1
+          self.refused[v] = str(e)
+          log.error("relay: %s refused v%d: %s; not retried (waiting for another version)",
+                    self.server, v, e)
+          return None
+        self.failures["load_unreachable"] += 1
+        log.warning("relay: %s unreachable while loading v%d (%s); again in %.1f s",
+                    self.server, v, e, backoff)
         backoff = self._wait(backoff, stop)
     d = Delivery(v, nbytes, fetch_s, write_s, time.perf_counter() - t0, attempts, str(path))
     previous, self.delivered = self.delivered, v
@@ -273,7 +287,7 @@ class Relay:
         if hb["shutdown"]:
           return "shutdown"
         want = hb["version"]
-        if want >= 0 and want != self.delivered:
+        if want >= 0 and want != self.delivered and want not in self.refused:
           # newer: anything from delivered+1 on; older (the learner restarted from an older
           # checkpoint): its current weights
           d = self.deliver(want if want < self.delivered else self.delivered + 1, stop)

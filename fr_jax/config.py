@@ -52,7 +52,8 @@ def default_config() -> ml_collections.ConfigDict:
   ))
   c.rollout = ml_collections.ConfigDict(dict(
       engine="embedded",  # embedded (in-process JAX) or sglang
-      sglang_url="",  # http://host:port of an SGLang server or gateway
+      sglang_url="",  # http://host:port of an SGLang server or gateway ($SGLANG_API_KEY: its key)
+      sglang_timeout_s=600.0,  # an answer not back by then fails the round; the worker backs off
       num_workers=1,  # launch.train: worker threads in this process
       inflight=8,  # episodes in flight per worker
       # embedded engine: decode slots (continuous batching). Keep >= inflight: each episode

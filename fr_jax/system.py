@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -81,7 +82,10 @@ def build_engine(c: ml_collections.ConfigDict, model, params=None, version: int 
     from fr_jax.rollout.sglang import SGLangEngine
     # The model's config tells the client which of SGLang's per-layer routing rows are the
     # sparse layers' (routing replay).
-    return SGLangEngine(c.rollout.sglang_url, version=version, model_config=model.config)
+    # The server's (or router's) --api-key comes from the environment, never the config.
+    return SGLangEngine(c.rollout.sglang_url, version=version, model_config=model.config,
+                        timeout=c.rollout.sglang_timeout_s,
+                        api_key=os.environ.get("SGLANG_API_KEY") or None)
   from fr_jax.rollout.embedded import EmbeddedEngine
   return EmbeddedEngine(model.config, model.params if params is None else params,
                         tokenizer=model.tokenizer, num_slots=c.rollout.num_slots,
@@ -100,12 +104,17 @@ def build_worker(c: ml_collections.ConfigDict, client, model, *, index: int, num
   require_tokenizer(c, model)
   env = envs.make(c.env.name, **c.env.kwargs.to_dict())
   engine = build_engine(c, model, params, version)
+  engine_errors = ()
+  if c.rollout.engine == "sglang":  # a server down, restarting or refusing: ridden out
+    from fr_jax.rollout.sglang import SGLangError
+    engine_errors = (SGLangError,)
   return Worker(client, engine, model.tokenizer, env, agent_config(c, model.config),
                 worker_id=worker_id or f"worker-{index}", shard_index=index,
                 num_shards=num_shards, seed=c.env.seed, inflight=c.rollout.inflight,
                 weights="hf" if c.rollout.engine == "sglang" else "arrays",
                 heartbeat_every_s=c.rollout.heartbeat_every_s, sample_tag=sample_tag,
-                fixed_lag=c.rollout.fixed_lag, batch_size=c.batch_size * c.minibatches)
+                fixed_lag=c.rollout.fixed_lag, batch_size=c.batch_size * c.minibatches,
+                engine_errors=engine_errors)
 
 
 @dataclasses.dataclass

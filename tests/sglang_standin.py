@@ -79,7 +79,7 @@ class StandInSGLang:
   def __init__(self, model: registry.LoadedModel, *, num_slots: int = 4, max_len: int = 256,
                step_delay: float = 0.0, drop_before_load: bool = False,
                enable_return_routed_experts: bool = False,
-               routing_config: ModelConfig | None = None):
+               routing_config: ModelConfig | None = None, port: int = 0, api_key: str = ""):
     self.engine = EmbeddedEngine(model.config, model.params, tokenizer=model.tokenizer,
                                  num_slots=num_slots, max_len=max_len)
     self.model_config = model.config
@@ -102,7 +102,8 @@ class StandInSGLang:
     self.step_delay = step_delay  # seconds per decode step, to make mid-generation events testable
     self.steps = 0
     handler = self._handler()
-    self.http = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    self.api_key = api_key  # as SGLang's --api-key: every route but /health needs the bearer
+    self.http = ThreadingHTTPServer(("127.0.0.1", port), handler)
     self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
     self._threads = [threading.Thread(target=self.http.serve_forever, daemon=True),
                      threading.Thread(target=self._schedule, daemon=True)]
@@ -302,7 +303,16 @@ class StandInSGLang:
         self.end_headers()
         self.wfile.write(data)
 
+      def _refused(self) -> bool:
+        if server.api_key and self.path != "/health" and (
+            self.headers.get("Authorization") != f"Bearer {server.api_key}"):
+          self._send(401, {"error": "Unauthorized"})
+          return True
+        return False
+
       def do_GET(self):
+        if self._refused():
+          return None
         if self.path == "/health":
           self._send(200, {})
         elif self.path == "/server_info":
@@ -311,6 +321,8 @@ class StandInSGLang:
           self._send(404, {"error": f"no route {self.path}"})
 
       def do_POST(self):
+        if self._refused():
+          return None
         fn = routes.get(self.path)
         if fn is None:
           return self._send(404, {"error": f"no route {self.path}"})

@@ -505,3 +505,93 @@ def test_the_real_sglang_router_drops_routing_and_is_refused(served_r3, tmp_path
     client.close()
     router.terminate()
     router.wait(30)
+
+
+class _Collect:
+  """The learner's side for a worker (records and heartbeats), in the test's process."""
+
+  def __init__(self):
+    self.got, self.heartbeats = [], 0
+
+  def heartbeat(self, stats):
+    self.heartbeats += 1
+    return {"version": 0, "hf_dir": "", "shutdown": False}
+
+  def push(self, traj, stop):
+    self.got.append(traj)
+
+
+def test_a_worker_rides_out_a_server_restart(tiny_model, monkeypatch):
+  """The server goes away mid-generation (its answers never come: a timeout) and comes back
+  on the same port a second later: the worker, built as launch.worker builds it, backs off,
+  keeps heartbeating, starts its episodes again with fresh request ids, and goes on
+  producing; its API key reaches the server. A worker used to end at the first SGLangError."""
+  from fr_jax import system
+  from tests import helpers
+  monkeypatch.setenv("SGLANG_API_KEY", "k")
+  c = helpers.cfg(**{"rollout.engine": "sglang", "rollout.sglang_timeout_s": 3.0,
+                     "rollout.inflight": 2})
+  max_len = c.agent.max_total_tokens + 1
+  server = StandInSGLang(tiny_model, num_slots=4, max_len=max_len, api_key="k", step_delay=0.02)
+  port = int(server.url.rsplit(":", 1)[1])
+  c.rollout.sglang_url = server.url
+  client, stop, errors = _Collect(), threading.Event(), []
+  w = system.build_worker(c, client, tiny_model, index=0, num_shards=1)
+
+  def run():
+    try:
+      w.run(stop)
+    except Exception as e:  # noqa: BLE001 -- the failure this test is about
+      errors.append(e)
+
+  t = threading.Thread(target=run)
+  t.start()
+  try:
+    helpers.wait_for(lambda: len(client.got) >= 2 or errors, 120, "trajectories before")
+    server.close()  # mid-generation: the requests it holds are never answered
+    helpers.wait_for(lambda: w.engine_failures or errors, 60, "the worker to notice")
+    beats = client.heartbeats
+    time.sleep(1.0)
+    server = StandInSGLang(tiny_model, num_slots=4, max_len=max_len, api_key="k", port=port)
+    n = len(client.got)
+    helpers.wait_for(lambda: len(client.got) >= n + 2 or errors or not t.is_alive(), 120,
+                     "trajectories after the restart")
+  finally:
+    stop.set()
+    t.join(60)
+    server.close()
+    w.engine.close()
+  assert not errors, errors
+  assert sum(w.engine_failures.values()) >= 1 and set(w.engine_failures) <= {
+      "TIMEOUT", "UNREACHABLE"}
+  assert client.heartbeats > beats  # heartbeats went on through the backoff
+  ids = [p.get("rid") for path, p in server.log if path == "/generate"]
+  assert ids and len(ids) == len(set(ids))
+  assert w.tasks_given_up == 0
+
+
+def test_a_task_the_server_always_refuses_is_skipped_after_three_attempts(tiny_model):
+  """A prompt too long for the server (HTTP 500 every time) is tried 3 times, then skipped;
+  the worker goes on to other tasks rather than retrying one forever."""
+  from fr_jax import system
+  from tests import helpers
+  server = StandInSGLang(tiny_model, num_slots=4, max_len=64)  # every prompt is too long
+  c = helpers.cfg(**{"rollout.engine": "sglang", "rollout.sglang_url": server.url,
+                     "rollout.inflight": 1})
+  client, stop = _Collect(), threading.Event()
+  w = system.build_worker(c, client, tiny_model, index=0, num_shards=1)
+  w.backoff_min_s = w.backoff_max_s = 0.05
+  t = threading.Thread(target=w.run, args=(stop,))
+  t.start()
+  try:
+    helpers.wait_for(lambda: w.tasks_given_up >= 2 or not t.is_alive(), 60, "two tasks skipped")
+  finally:
+    stop.set()
+    t.join(60)
+    server.close()
+    w.engine.close()
+  assert w.tasks_given_up >= 2 and client.got == []
+  prompts = [p["input_ids"] for path, p in server.log if path == "/generate"]
+  first = prompts[0]
+  assert sum(p == first for p in prompts) == 3  # the first task: three attempts, then skipped
+  assert w.engine_failures["HTTP_STATUS"] >= 6

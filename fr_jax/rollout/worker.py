@@ -11,6 +11,16 @@ version that sampled them, so a trajectory that spans an update records both.
 While the learner is unreachable, the worker keeps its finished trajectories (bounded by the
 client's outbox) and retries with backoff.
 
+An engine that fails (one of `engine_errors`: for SGLang a server that is down or
+restarting, a timeout, an HTTP error such as a duplicate request id) does not end the worker.
+Its live episodes are given up (nothing of them was sent) and their tasks started again with
+fresh sampling seeds (so fresh request ids), each task at most `max_task_attempts` times in
+all (a task the server always refuses, say one too long for it, is then skipped and counted
+in `tasks_given_up`); the worker waits with backoff (doubling from `backoff_min_s` to
+`backoff_max_s`), heartbeating all the while, and counts the failures by reason
+(`engine_failures`).
+
+
 At a fixed lag L (`fixed_lag`, in-process, one worker) the worker does not chase the newest
 weights: once it has pushed k batches' worth of trajectories it loads exactly version
 k - L (counted from the version it started at), waiting for the learner if it must. Which
@@ -20,6 +30,7 @@ is the same on a quiet machine and a busy one.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -36,7 +47,9 @@ class Worker:
                worker_id: str = "worker-0", shard_index: int = 0, num_shards: int = 1,
                seed: int = 0, inflight: int = 8, weights: str = "arrays",
                heartbeat_every_s: float = 0.0, sample_tag: str | None = None,
-               fixed_lag: int = -1, batch_size: int = 0):
+               fixed_lag: int = -1, batch_size: int = 0, engine_errors: tuple = (),
+               backoff_min_s: float = 0.5, backoff_max_s: float = 30.0,
+               max_task_attempts: int = 3):
     if weights not in ("arrays", "hf"):
       raise ValueError(f"weights={weights!r}: choose arrays (embedded) or hf (SGLang)")
     if fixed_lag >= 0 and (batch_size < 1 or weights != "arrays"
@@ -57,6 +70,13 @@ class Worker:
     self.sample_tag = self.nonce if sample_tag is None else sample_tag
     self.seed = seed
     self.skipped_prompts = 0
+    self.engine_errors = tuple(engine_errors)
+    self.backoff_min_s, self.backoff_max_s = backoff_min_s, backoff_max_s
+    self.engine_failures: collections.Counter = collections.Counter()  # by reason
+    self._reload = False  # load the learner's weights at the next sync, whatever the version
+    self.max_task_attempts = max(1, max_task_attempts)
+    self._task_failures: collections.Counter = collections.Counter()  # task_id -> failures
+    self.tasks_given_up = 0
     self._k = 0
     self.produced = 0
     self.tokens = 0
@@ -86,34 +106,74 @@ class Worker:
       self.inflight = int(hb["inflight_target"])
     if self.fixed_lag >= 0:
       return  # the schedule loads weights (`_load_scheduled`)
-    if hb["version"] != self.engine.version:  # newer, or older after a learner restart
+    # Newer, or older after a learner restart; or the engine failed since the last load (a
+    # restarted server comes back with the weights it was launched with).
+    if hb["version"] != self.engine.version or self._reload:
       if self.weights_mode == "hf":
         if hb["hf_dir"]:
           self.engine.update_weights(hb["hf_dir"], hb["version"])
+          self._reload = False
       else:
         got = self.client.get_weights(hb["version"])
         if got is not None:
           v, params, _ = got
           self.engine.update_weights(params, v)
+          self._reload = False
           log.info("%s: weights -> version %d", self.worker_id, v)
 
-  def _new_episode(self, eps, seeds):
-    task = next(self.tasks)
+  def _new_episode(self, eps, seeds, task=None):
+    task = next(self.tasks) if task is None else task
     eps.append(self.loop.start(task))
     self._k += 1
     seeds.append(stable_hash(f"{self.seed}/{self.worker_id}/{self.sample_tag}/{self._k}") % 2**31)
+
+  def _ride_out(self, e: Exception, eps: list, backoff: float, stop: threading.Event):
+    """After an engine failure: (the episodes started again, their seeds, the next backoff),
+    having waited `backoff` seconds with heartbeats."""
+    reason = getattr(getattr(e, "reason", None), "name", type(e).__name__)
+    self.engine_failures[reason] += 1
+    n = sum(self.engine_failures.values())
+    if n in (1, 2, 5) or n % 50 == 0:
+      log.warning("%s: engine failed (%s, %d so far): %s; %d episode(s) start again in %.1f s",
+                  self.worker_id, reason, n, e, len(eps), backoff)
+    fresh, seeds = [], []
+    for ep in eps:
+      tid = ep.task.task_id
+      self._task_failures[tid] += 1
+      if self._task_failures[tid] < self.max_task_attempts:
+        self._new_episode(fresh, seeds, ep.task)
+        continue
+      del self._task_failures[tid]
+      self.tasks_given_up += 1
+      log.warning("%s: task %s failed on the engine %d times; skipped", self.worker_id, tid,
+                  self.max_task_attempts)
+    t_end = time.monotonic() + backoff
+    while not stop.is_set() and time.monotonic() < t_end:
+      hb = self.client.heartbeat(self._stats(0))  # the learner still sees this worker
+      if hb is not None and hb["shutdown"]:
+        self.shutdown = True
+        break
+      stop.wait(min(1.0, max(t_end - time.monotonic(), 0.0)))
+    return fresh, seeds, min(backoff * 2, self.backoff_max_s)
 
   def run(self, stop: threading.Event | None = None) -> int:
     """Produces trajectories until `stop` or the learner's shutdown; returns how many."""
     stop = stop or threading.Event()
     eps, seeds = [], []
+    backoff = self.backoff_min_s
     while not stop.is_set() and not self.shutdown:
-      self.sync(len(eps))
-      if self.fixed_lag >= 0 and not self._load_scheduled(stop):
-        break
-      while len(eps) < self.inflight:
-        self._new_episode(eps, seeds)
-      self.loop.step(eps, seeds)
+      try:
+        self.sync(len(eps))
+        if self.fixed_lag >= 0 and not self._load_scheduled(stop):
+          break
+        while len(eps) < self.inflight:
+          self._new_episode(eps, seeds)
+        self.loop.step(eps, seeds)
+        backoff = self.backoff_min_s
+      except self.engine_errors as e:
+        self._last_hb, self._reload = 0.0, True  # sync again, weights too
+        eps, seeds, backoff = self._ride_out(e, eps, backoff, stop)
+        continue
       for e in eps:
         if e.done:
           self._finish(e, stop)
@@ -151,6 +211,7 @@ class Worker:
 
   def _finish(self, ep, stop) -> None:
     """Streams a finished episode's trajectory (one that could not generate is skipped)."""
+    self._task_failures.pop(ep.task.task_id, None)
     t = self.loop.trajectory(ep)
     t.traj_id = f"{self.worker_id}/{self.nonce}/{self.produced}"
     self.produced += 1

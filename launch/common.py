@@ -61,6 +61,12 @@ def require_tool_isolation(c) -> str:
   return mode
 
 
+def secret(flag_value: str, env: str) -> str:
+  """A credential: the flag's value if given, else $`env`. Flags that take one default to ""
+  (their help names the variable), so `--help` never prints a secret."""
+  return flag_value or os.environ.get(env, "")
+
+
 def check_client_tls(flag_values) -> None:
   """A client's --tls_ca/--tls_cert/--tls_key (workers, weight relays): one line and exit
   status 2 for a half pair or an unreadable file."""

@@ -3,12 +3,13 @@ r"""The learner as its own process: serves gRPC to rollout workers (`launch/work
   python -m launch.learner --config=experiments/configs/tiny_test.py --run_dir=/tmp/run \
       --port_file=/tmp/run/port
   # across hosts: bind beyond loopback with a shared token, or mutual TLS
-  python -m launch.learner --config=... --address=0.0.0.0:50051 --auth_token=$TOKEN
+  export FR_JAX_TOKEN=...  # the shared token (a flag would put it on the command line)
+  python -m launch.learner --config=... --address=0.0.0.0:50051
   python -m launch.learner --config=... --address=0.0.0.0:50051 --tls_cert=server.pem \
       --tls_key=server.key --tls_client_ca=ca.pem
   # a multi-host learner mesh: one process per host, the same command on each
   python -m launch.learner --config=... --coordinator_address=host0:1234 \
-      --num_processes=4 --process_id=$I --address=0.0.0.0:50051 --auth_token=$TOKEN
+      --num_processes=4 --process_id=$I --address=0.0.0.0:50051
   # on Slurm or TPU VMs JAX finds the coordinator, process count and id itself
   python -m launch.learner --config=... --distributed --address=0.0.0.0:50051 ...
 
@@ -37,8 +38,7 @@ from launch import common
 
 flags.DEFINE_string("address", None, "gRPC bind address (default: config.service.address, "
                     "loopback); non-loopback needs --auth_token or mutual TLS")
-flags.DEFINE_string("auth_token", os.environ.get("FR_JAX_TOKEN", ""),
-                    "shared token workers must present (default $FR_JAX_TOKEN)")
+flags.DEFINE_string("auth_token", "", "shared token (default: $FR_JAX_TOKEN)")
 flags.DEFINE_string("tls_cert", "", "PEM certificate for TLS")
 flags.DEFINE_string("tls_key", "", "PEM private key for TLS")
 flags.DEFINE_string("tls_client_ca", "", "PEM CA: require client certificates it signed "
@@ -62,11 +62,12 @@ def main(argv):
   if len(argv) > 1:
     common.fail(f"unexpected arguments {argv[1:]}")
   c = common.load_config()
+  token = common.secret(FLAGS.auth_token, "FR_JAX_TOKEN")
   if FLAGS.distributed or FLAGS.coordinator_address:
     from fr_jax.learner import multihost
     try:  # the calls process 0 announces are signed with the run's secret
       multihost.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
-                           secret=os.environ.get(multihost.SECRET_ENV[0]) or FLAGS.auth_token,
+                           secret=os.environ.get(multihost.SECRET_ENV[0]) or token,
                            bind_address=FLAGS.coordinator_bind_address)
     except multihost.NoSecret as e:
       common.fail(str(e))
@@ -77,13 +78,13 @@ def main(argv):
   address = FLAGS.address or c.service.address
   tls = dict(tls_cert=FLAGS.tls_cert, tls_key=FLAGS.tls_key, tls_client_ca=FLAGS.tls_client_ca)
   try:  # every flag problem now, before the model loads
-    srv.check_credentials(address, token=FLAGS.auth_token, **tls)
+    srv.check_credentials(address, token=token, **tls)
   except srv.BindError as e:
     common.fail(str(e))
   from fr_jax import system
   model = common.load_model(c)
   learner, service = system.build_service(c, model, admission_log=True)
-  server, port = srv.serve(service, address, token=FLAGS.auth_token,
+  server, port = srv.serve(service, address, token=token,
                            max_streams=c.service.max_streams, **tls)
   if FLAGS.port_file:
     from fr_jax import durable

@@ -2,7 +2,7 @@ r"""A weight relay beside one SGLang server: the learner's weights to that serve
 shared filesystem (design: `fr_jax/transport/relay.py`, docs/rollout.md).
 
   python -m launch.weight_relay --config=experiments/configs/qwen25_math_1p5b.py \
-      --learner=learner-host:50051 --auth_token=$TOKEN \
+      --learner=learner-host:50051 \
       --sglang=http://127.0.0.1:30000 --dir=/local/nvme/weights
   # workers generate through sglang-router in front of every server
   python -m sglang_router.launch_router --worker-urls http://gpu1:30000 http://gpu2:30000 \
@@ -32,13 +32,12 @@ flags.DEFINE_string("learner", "127.0.0.1:50051", "learner gRPC address host:por
 flags.DEFINE_string("sglang", "http://127.0.0.1:30000", "this relay's SGLang server (not the "
                     "router: each server gets its own relay)")
 flags.DEFINE_string("dir", "", "local directory for the HF safetensors versions")
-flags.DEFINE_string("auth_token", os.environ.get("FR_JAX_TOKEN", ""),
-                    "shared token (default $FR_JAX_TOKEN)")
+flags.DEFINE_string("auth_token", "", "shared token (default: $FR_JAX_TOKEN)")
 flags.DEFINE_string("tls_ca", "", "PEM CA certificate: connect with TLS")
 flags.DEFINE_string("tls_cert", "", "PEM client certificate (mutual TLS)")
 flags.DEFINE_string("tls_key", "", "PEM client key (mutual TLS)")
-flags.DEFINE_string("sglang_api_key", os.environ.get("SGLANG_API_KEY", ""),
-                    "the server's --api-key, if it has one (default $SGLANG_API_KEY)")
+flags.DEFINE_string("sglang_api_key", "",
+                    "the server's --api-key, if it has one (default: $SGLANG_API_KEY)")
 flags.DEFINE_float("poll_s", 1.0, "seconds between polls of the learner")
 flags.DEFINE_integer("keep", 2, "versions kept on disk (at least 1: the loaded one)")
 flags.DEFINE_integer("max_versions", 0, "exit after delivering this many versions (0: run "
@@ -93,9 +92,11 @@ def main(argv):
   except (registry.ModelNotFound, registry.CheckpointError) as e:
     common.fail(f"model {c.model.name!r}: {e}")
   client = WeightsClient(FLAGS.learner, worker_id=FLAGS.relay_id or f"relay@{FLAGS.sglang}",
-                         token=FLAGS.auth_token, tls_ca=FLAGS.tls_ca, tls_cert=FLAGS.tls_cert,
+                         token=common.secret(FLAGS.auth_token, "FR_JAX_TOKEN"),
+                         tls_ca=FLAGS.tls_ca, tls_cert=FLAGS.tls_cert,
                          tls_key=FLAGS.tls_key)
-  server = SGLangEngine(FLAGS.sglang, api_key=FLAGS.sglang_api_key or None, max_concurrency=1)
+  key = common.secret(FLAGS.sglang_api_key, "SGLANG_API_KEY")
+  server = SGLangEngine(FLAGS.sglang, api_key=key or None, max_concurrency=1)
   r = relay.Relay(client, server.update_weights, FLAGS.dir, cfg, tokenizer_files,
                   server=FLAGS.sglang, keep=FLAGS.keep, poll_s=FLAGS.poll_s,
                   load_errors=(SGLangError,), fetch_timeout_s=FLAGS.fetch_timeout_s,

@@ -3,7 +3,7 @@ r"""A rollout worker process: streams trajectories to a learner (`launch/learner
   python -m launch.worker --config=experiments/configs/tiny_test.py \
       --learner=127.0.0.1:50051 --worker_index=0 --num_workers=2
   # drive an SGLang server or gateway instead of the embedded engine
-  python -m launch.worker --config=... --learner=HOST:PORT --auth_token=$TOKEN \
+  python -m launch.worker --config=... --learner=HOST:PORT \
       --config.rollout.engine=sglang --config.rollout.sglang_url=http://gpu-host:30000
 
 It takes prompt shard `worker_index` of `num_workers`, fetches the learner's current weights,
@@ -23,7 +23,7 @@ from absl import flags, logging
 from launch import common
 
 flags.DEFINE_string("learner", "127.0.0.1:50051", "learner gRPC address host:port")
-flags.DEFINE_string("auth_token", os.environ.get("FR_JAX_TOKEN", ""), "shared token")
+flags.DEFINE_string("auth_token", "", "shared token (default: $FR_JAX_TOKEN)")
 flags.DEFINE_string("tls_ca", "", "PEM CA certificate: connect with TLS")
 flags.DEFINE_string("tls_cert", "", "PEM client certificate (mutual TLS)")
 flags.DEFINE_string("tls_key", "", "PEM client key (mutual TLS)")
@@ -58,9 +58,9 @@ def main(argv):
     def on_ack(traj_id, admitted, reason):
       os.write(ledger, f"{traj_id} {'admitted' if admitted else reason}\n".encode())
 
-  client = GrpcClient(FLAGS.learner, worker_id=wid, token=FLAGS.auth_token,
-                      tls_ca=FLAGS.tls_ca, tls_cert=FLAGS.tls_cert, tls_key=FLAGS.tls_key,
-                      on_ack=on_ack)
+  token = common.secret(FLAGS.auth_token, "FR_JAX_TOKEN")
+  client = GrpcClient(FLAGS.learner, worker_id=wid, token=token, tls_ca=FLAGS.tls_ca,
+                      tls_cert=FLAGS.tls_cert, tls_key=FLAGS.tls_key, on_ack=on_ack)
   stop = threading.Event()
   for sig in (signal.SIGTERM, signal.SIGINT):
     signal.signal(sig, lambda *_: stop.set())

@@ -250,3 +250,22 @@ def test_bad_config_fails_fast_with_one_line(tmp_path):
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("error:") and needle in last, out.stderr[-1000:]
     assert time.monotonic() - t0 < 30
+
+
+def test_help_shows_no_secret_values():
+  """`--help` of every command that takes a credential from the environment names the
+  variable, never its value (the defaults used to be the values: `--help` printed them)."""
+  secrets = {"FR_JAX_TOKEN": "tok-3f9a1c", "SGLANG_API_KEY": "key-77b2e0",
+             "FR_JAX_LEARNER_SECRET": "sec-c41d08"}
+  procs = {m: subprocess.Popen([sys.executable, "-m", m, "--help"], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env=dict(ENV, **secrets))
+           for m in ("launch.learner", "launch.worker", "launch.weight_relay", "launch.router")}
+  for m, p in procs.items():
+    out = p.communicate(timeout=120)[0]
+    assert "usage" in out.lower() or "flags" in out.lower(), (m, out[-500:])
+    for value in secrets.values():
+      assert value not in out, (m, value)
+  for m in ("launch.learner", "launch.worker", "launch.weight_relay"):
+    assert "$FR_JAX_TOKEN" in subprocess.run([sys.executable, "-m", m, "--helpfull"],
+                                             capture_output=True, text=True, env=ENV,
+                                             timeout=120).stdout

@@ -10,9 +10,12 @@ launch/cluster/ (`<file>.j2`) and prints one line per file. Before writing anyth
 the cluster config (an impossible value: one line, exit status 2) and runs the run config
 through its own validation with the overrides the files pass (`--config.model.name`,
 `--config.mesh.*`, `--config.rollout.*`), so a recipe that cannot run on this layout fails
-here rather than after the nodes start. The shared gRPC token is never written: the files read
-it from the environment variable `token_env` (Slurm, TPU VM) or the Secret `k8s.token_secret`
-(Kubernetes). BUILD.md ("Cluster launch templates") says what each file assumes.
+here rather than after the nodes start. No secret is ever written into a file or onto a
+command line: the gRPC token comes from the environment variable `token_env` (Slurm, TPU VM)
+or the Secret `k8s.token_secret`, the SGLang API key from `sglang_key_env` or
+`k8s.sglang_key_secret`, and every process reads them from its environment (SGLang from a
+private --config file). BUILD.md ("Cluster launch templates") says what each file assumes;
+docs/system.md ("Threat model") what each port and credential protects.
 """
 
 import importlib.util
@@ -95,8 +98,11 @@ def validate(k, targets) -> None:
           "every host)")
   _need(bool(_PLAIN.fullmatch(k.run_config)) and not k.run_config.startswith("/"),
         f"run_config={k.run_config!r}: give a path relative to workdir (the repository)")
-  _need(bool(_ENV_NAME.fullmatch(k.token_env)),
-        f"token_env={k.token_env!r}: give an environment variable name")
+  for field in ("token_env", "sglang_key_env"):
+    _need(bool(_ENV_NAME.fullmatch(k[field])),
+          f"{field}={k[field]!r}: give an environment variable name")
+  _need(k.tls.dir == "" or (k.tls.dir.startswith("/") and bool(_PLAIN.fullmatch(k.tls.dir))),
+        f"tls.dir={k.tls.dir!r}: an absolute path without spaces or quotes, or empty (no TLS)")
   _need(bool(_PLAIN.fullmatch(k.python)), f"python={k.python!r}: give an interpreter path")
   _ports(k, ["learner.port"])
   if {"slurm", "k8s"} & set(targets):
@@ -150,8 +156,18 @@ def _validate_slurm(s):
 def _validate_k8s(k):
   _need(bool(_DNS_LABEL.fullmatch(k.k8s.namespace)),
         f"k8s.namespace={k.k8s.namespace!r}: not a Kubernetes namespace name")
-  for field in ("sglang_image", "gpu_resource", "token_secret"):
+  for field in ("sglang_image", "gpu_resource", "token_secret", "sglang_key_secret"):
     _need(bool(_PLAIN.fullmatch(k.k8s[field])), f"k8s.{field}={k.k8s[field]!r}: give a name")
+  _need(bool(k.tls.dir) == bool(k.k8s.tls_secret),
+        f"tls.dir={k.tls.dir!r} and k8s.tls_secret={k.k8s.tls_secret!r}: set both (TLS, the "
+        "Secret mounted at tls.dir) or neither")
+  _need(k.k8s.tls_secret == "" or bool(_DNS_LABEL.fullmatch(k.k8s.tls_secret)),
+        f"k8s.tls_secret={k.k8s.tls_secret!r}: a Secret name, or empty")
+  _need(k.learner.nodes == 1 or k.k8s.run_dir_pvc != "",
+        f"learner.nodes={k.learner.nodes} with k8s.run_dir_pvc empty: each learner pod would "
+        "write its checkpoint shards to its own emptyDir (multi-host Orbax needs one shared "
+        "directory) and the admission log would die with pod 0; set k8s.run_dir_pvc to a "
+        "ReadWriteMany claim")
   _need(bool(_PLAIN.fullmatch(k.image)), f"image={k.image!r}: give a container image")
   for field in ("run_dir_pvc", "checkpoint_pvc"):
     _need(k.k8s[field] == "" or bool(_DNS_LABEL.fullmatch(k.k8s[field])),
@@ -195,6 +211,17 @@ def relay_overrides(k) -> dict:
   return {"model.name": f"hf:{k.checkpoint}"}
 
 
+def tls_flags(k) -> dict:
+  """The learner's and the clients' (workers, relays) TLS flags; empty without tls.dir."""
+  d = k.tls.dir
+  if not d:
+    return dict(learner_tls=[], client_tls=[])
+  return dict(learner_tls=[f"--tls_cert={d}/server.pem", f"--tls_key={d}/server.key",
+                           f"--tls_client_ca={d}/ca.pem"],
+              client_tls=[f"--tls_ca={d}/ca.pem", f"--tls_cert={d}/client.pem",
+                          f"--tls_key={d}/client.key"])
+
+
 def check_run_config(k, targets) -> None:
   """Loads run_config (relative to this repository) with each command's overrides and runs
   the run config's own validation; raises ClusterError with its message."""
@@ -233,7 +260,7 @@ def check_run_config(k, targets) -> None:
 def context(k, source: str, targets) -> dict:
   """What the templates see: the cluster config and the values derived from the fields the
   targets use."""
-  ctx = dict(k=k.to_dict(), source=source)
+  ctx = dict(k=k.to_dict(), source=source, **tls_flags(k))
   if {"slurm", "k8s"} & set(targets):
     ctx.update(learner_overrides=learner_overrides(k, (k.learner.mesh_data, k.learner.mesh_fsdp)),
                worker_overrides=worker_overrides(k), relay_overrides=relay_overrides(k),

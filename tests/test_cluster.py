@@ -23,7 +23,8 @@ from tests import XLA_TEST_FLAGS
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = "launch/cluster/example.py"
-TOKEN = "not-a-real-token-7f3a"  # must never reach a rendered file
+TOKEN = "not-a-real-token-7f3a"  # must never reach a rendered file or a command line
+KEY = "not-a-real-key-9c1e"  # the SGLang API key: the same
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=XLA_TEST_FLAGS)
 # sglang.launch_server needs CUDA and is not installed here: its arguments are checked against
 # this list, copied from SGLang's documentation of server arguments
@@ -31,7 +32,7 @@ ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=XLA_TEST_FLAGS)
 SGLANG_DOCUMENTED_FLAGS = {
     "model-path", "tokenizer-path", "host", "port", "tp-size", "dp-size",
     "mem-fraction-static", "context-length", "trust-remote-code", "dtype", "load-format",
-    "skip-server-warmup", "served-model-name", "api-key", "log-level"}
+    "skip-server-warmup", "served-model-name", "api-key", "log-level", "config"}
 
 
 def load_example():
@@ -58,18 +59,20 @@ def rendered(tmp_path_factory):
   out = base / "out"
   r = cli(f"--cluster={EXAMPLE}", "--target=all", f"--out={out}",
           *(f"--cluster.{key}={p}" for key, p in paths.items()),
-          env=dict(ENV, **{k.token_env: TOKEN}))
+          env=dict(ENV, **{k.token_env: TOKEN, k.sglang_key_env: KEY}))
   assert r.returncode == 0, r.stderr
   return out, k, r.stdout
 
 
 def stubs(folder: Path) -> Path:
-  """srun, scontrol, gcloud and python that record their arguments (NUL-separated) in
-  $CALLS; srun runs the command it was given, as task 0."""
+  """srun, scontrol, gcloud and python that record their arguments (NUL-separated), then the
+  credentials in their environment, in $CALLS; srun runs the command it was given, as
+  task 0."""
   folder.mkdir(exist_ok=True)
   # (a recorder ignores SIGTERM: the script stops an SGLang node's pair when one exits)
   record = ('trap "" TERM\n'
-            'printf "%s\\0" "$(basename "$0")" "$@" > "$(mktemp "$CALLS/call.XXXXXX")"\n')
+            'printf "%s\\0" "$(basename "$0")" "$@" --ENV-- "${FR_JAX_TOKEN:-}" '
+            '"${SGLANG_API_KEY:-}" > "$(mktemp "$CALLS/call.XXXXXX")"\n')
   scripts = {
       "python": record,
       "scontrol": 'tr "," "\\n" <<< "$3"\n',  # scontrol show hostnames a,b
@@ -84,11 +87,14 @@ def stubs(folder: Path) -> Path:
   return folder
 
 
-def calls(folder: Path) -> list:
+def calls(folder: Path, env: bool = False) -> list:
+  """Each recorded command line; with `env`, (command line, $FR_JAX_TOKEN, $SGLANG_API_KEY)
+  as the command saw them."""
   out = []
   for f in folder.iterdir():
     parts = f.read_bytes().decode().split("\0")[:-1]
-    out.append(parts)
+    i = parts.index("--ENV--")
+    out.append((parts[:i], *parts[i + 1:]) if env else parts[:i])
   return out
 
 
@@ -121,12 +127,12 @@ def run_slurm(rendered, tmp_path, groups):
   log = tmp_path / "calls"
   log.mkdir()
   env = dict(ENV, PATH=f"{stubs(tmp_path / 'bin')}:{os.environ['PATH']}", CALLS=str(log),
-             **{k.token_env: TOKEN})
+             TMPDIR=str(tmp_path), **{k.token_env: TOKEN, k.sglang_key_env: KEY})
   for i, hosts in enumerate(groups):
     env[f"SLURM_JOB_NODELIST_HET_GROUP_{i}"] = ",".join(hosts)
   r = subprocess.run(["bash", str(out / "slurm.sbatch")], env=env, capture_output=True,
                      text=True, timeout=60)
-  return r, calls(log)
+  return r, calls(log, env=True)
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +143,7 @@ def slurm_calls(rendered, tmp_path_factory):
             [f"cpu-r{i}" for i in range(k.workers.nodes)])
   r, got = run_slurm(rendered, tmp_path_factory.mktemp("slurm"), groups)
   assert r.returncode == 0, r.stderr
-  return groups, got
+  return groups, [argv for argv, *_ in got], got
 
 
 def k8s_docs(rendered):
@@ -180,7 +186,8 @@ def tpu_calls(rendered, tmp_path_factory):
   t_end = time.monotonic() + 10  # the learner was started in the background
   while not any(log.iterdir()) and time.monotonic() < t_end:
     time.sleep(0.05)
-  return local, remote, calls(log), stdout
+  remote_calls = calls(log, env=True)
+  return local, remote, [argv for argv, *_ in remote_calls], stdout, remote_calls
 
 
 def test_renders_each_file_and_prints_one_line_per_file(rendered):
@@ -224,7 +231,7 @@ def test_slurm_components_match_config(rendered):
 
 def test_slurm_run_wires_the_hosts(rendered, slurm_calls):
   _, k, _ = rendered
-  (learners, servers, rollout), got = slurm_calls
+  (learners, servers, rollout), got, with_env = slurm_calls
   steps = [c[1:] for c in got if c[0] == "srun"]
   assert len(steps) == 4  # learner, SGLang fleet, router, workers
   learner_step = next(s for s in steps if "launch.learner" in s)
@@ -237,12 +244,19 @@ def test_slurm_run_wires_the_hosts(rendered, slurm_calls):
 
   py = {m: a for m, a in filter(None, map(module_args, (c for c in got if c[0] == "python")))}
   assert set(py) == {"launch.learner", "sglang.launch_server", "launch.weight_relay",
-                     "sglang_router.launch_router", "launch.worker"}
+                     "launch.router", "launch.worker"}
+  # No credential on any command line; each process has the ones it uses in its environment.
+  assert not [c for c in got if TOKEN in " ".join(c) or KEY in " ".join(c)]
+  seen = {m[0]: (token, key) for c, token, key in with_env if (m := module_args(c))}
+  for m in ("launch.learner", "launch.weight_relay", "launch.worker"):
+    assert seen[m][0] == TOKEN, m
+  for m in ("launch.weight_relay", "launch.worker", "launch.router"):
+    assert seen[m][1] == KEY, m
   learner0 = f"{learners[0]}:{k.learner.port}"
   a = py["launch.learner"]
   assert "--distributed" in a and flag_value(a, "address") == f"0.0.0.0:{k.learner.port}"
   assert flag_value(a, "run_dir") == k.run_dir and flag_value(a, "config") == k.run_config
-  assert flag_value(a, "auth_token") == TOKEN  # from the environment at run time
+  assert "auth_token" not in flag_names(a)  # $FR_JAX_TOKEN, from the job's environment
   assert flag_value(a, "config.mesh.data") == str(k.learner.mesh_data)
   assert flag_value(a, "config.mesh.fsdp") == str(k.learner.mesh_fsdp)
   assert flag_value(a, "config.model.name") == f"hf:{k.checkpoint}"
@@ -250,6 +264,7 @@ def test_slurm_run_wires_the_hosts(rendered, slurm_calls):
   assert flag_value(a, "config.service.export_hf") == "False"
   a = py["sglang.launch_server"]
   assert after(a, "--model-path") == [k.checkpoint] and after(a, "--port") == [str(k.sglang.port)]
+  assert len(after(a, "--config")) == 1 and "--api-key" not in a  # the key file, removed after
   assert after(a, "--tp-size") == [str(k.sglang.tp_size)]
   assert int(after(a, "--dp-size")[0]) * k.sglang.tp_size == k.sglang.gpus_per_node
   assert a[-len(k.sglang.extra_args):] == list(k.sglang.extra_args)
@@ -258,11 +273,12 @@ def test_slurm_run_wires_the_hosts(rendered, slurm_calls):
   assert flag_value(a, "config.model.name") == f"hf:{k.checkpoint}"
   assert flag_value(a, "learner") == learner0
   assert flag_value(a, "sglang") == f"http://127.0.0.1:{k.sglang.port}"
-  assert flag_value(a, "dir") == k.relay.dir and flag_value(a, "auth_token") == TOKEN
-  a = py["sglang_router.launch_router"]
+  assert flag_value(a, "dir").startswith(k.relay.dir + ".")  # private to the job (mktemp -d)
+  assert "auth_token" not in flag_names(a)
+  a = py["launch.router"]
   assert after(a, "--worker-urls") == [f"http://{h}:{k.sglang.port}" for h in servers]
   assert after(a, "--port") == [str(k.router.port)]
-  router_step = next(s for s in steps if "sglang_router.launch_router" in s)
+  router_step = next(s for s in steps if "launch.router" in s)
   assert f"--nodelist={rollout[0]}" in router_step
   a = py["launch.worker"]
   assert flag_value(a, "learner") == learner0
@@ -276,13 +292,18 @@ def test_scripts_refuse_to_start_without_the_token(rendered, tmp_path):
   out, k, _ = rendered
   log = tmp_path / "calls"
   log.mkdir()
-  env = {key: v for key, v in ENV.items() if key != k.token_env}
+  env = {key: v for key, v in ENV.items() if key not in (k.token_env, k.sglang_key_env)}
   env.update(PATH=f"{stubs(tmp_path / 'bin')}:{os.environ['PATH']}", CALLS=str(log),
              HOME=str(tmp_path))
   for name in ("slurm.sbatch", "tpu_vm.sh"):
-    r = subprocess.run(["bash", str(out / name)], env=env, capture_output=True, text=True,
-                       timeout=60)
+    r = subprocess.run(["bash", str(out / name)], env=dict(env, **{k.sglang_key_env: KEY}),
+                       capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and k.token_env in r.stderr, (name, r.stderr)
+  for bad in ("", "has space", "quote'd"):  # no key, or one that cannot go into its YAML file
+    r = subprocess.run(["bash", str(out / "slurm.sbatch")],
+                       env=dict(env, **{k.token_env: TOKEN, k.sglang_key_env: bad}),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and k.sglang_key_env in r.stderr, (bad, r.stderr)
   assert calls(log) == []  # nothing was started
 
 
@@ -290,7 +311,8 @@ def test_k8s_manifests(rendered):
   _, k, _ = rendered
   docs = k8s_docs(rendered)
   kinds = sorted(d["kind"] for d in docs)
-  assert kinds == sorted(["Service"] * 3 + ["Job"] * 2 + ["StatefulSet", "Deployment"])
+  assert kinds == sorted(["Service"] * 3 + ["Job"] * 2 + ["StatefulSet", "Deployment"]
+                         + ["NetworkPolicy"] * 3)
   assert all(d["metadata"]["namespace"] == k.k8s.namespace for d in docs)
   by = {(d["kind"], d["metadata"]["name"]): d for d in docs}
   cs = containers(docs)
@@ -311,10 +333,20 @@ def test_k8s_manifests(rendered):
   assert flag_value(a, "process_id") == "$(JOB_COMPLETION_INDEX)"
   assert flag_value(a, "config.service.export_hf") == "False"
   assert flag_value(a, "address") == f"0.0.0.0:{k.learner.port}"
-  assert flag_value(a, "auth_token") == f"$({k.token_env})"
+  assert "auth_token" not in flag_names(a)  # $FR_JAX_TOKEN, from the Secret
   env = {e["name"]: e["valueFrom"] for e in c["env"]}
   assert "job-completion-index" in env["JOB_COMPLETION_INDEX"]["fieldRef"]["fieldPath"]
-  assert env[k.token_env]["secretKeyRef"]["name"] == k.k8s.token_secret
+  assert env["FR_JAX_TOKEN"]["secretKeyRef"]["name"] == k.k8s.token_secret
+  for (_, name), pod in cs.items():  # every fr_jax process reads its secrets from env
+    for ctr in pod.values():
+      assert not [x for x in ctr["command"] + ctr.get("args", []) if "$(" in x and "TOKEN" in x]
+      env = {e["name"]: e.get("valueFrom", {}) for e in ctr.get("env", [])}
+      if any(m in ctr["command"] for m in ("launch.worker", "launch.weight_relay")):
+        assert env["FR_JAX_TOKEN"]["secretKeyRef"]["name"] == k.k8s.token_secret, name
+      if any(m in ctr["command"] for m in ("launch.worker", "launch.weight_relay",
+                                           "launch.router")):
+        assert env["SGLANG_API_KEY"]["secretKeyRef"] == {"name": k.k8s.sglang_key_secret,
+                                                         "key": "key"}, name
   assert c["resources"]["limits"][k.k8s.gpu_resource] == k.learner.devices_per_node
 
   sts = by[("StatefulSet", f"{k.name}-sglang")]["spec"]
@@ -323,6 +355,11 @@ def test_k8s_manifests(rendered):
   server, relay = pair["sglang"], pair["weight-relay"]
   assert server["resources"]["limits"][k.k8s.gpu_resource] == k.sglang.gpus_per_node
   assert after(server["args"], "--port") == [str(k.sglang.port)]
+  (key_dir,) = [m["mountPath"] for m in server["volumeMounts"] if m["name"] == "sglang-key"]
+  assert after(server["args"], "--config") == [f"{key_dir}/sglang.yaml"]
+  vols = {v["name"]: v for v in by[("StatefulSet", f"{k.name}-sglang")]["spec"]["template"]
+          ["spec"]["volumes"]}
+  assert vols["sglang-key"]["secret"]["secretName"] == k.k8s.sglang_key_secret
   assert flag_value(relay["args"], "sglang") == f"http://127.0.0.1:{k.sglang.port}"
   assert flag_value(relay["args"], "learner") == f"{learner0}:{k.learner.port}"
   assert flag_value(relay["args"], "dir") == k.relay.dir
@@ -330,6 +367,8 @@ def test_k8s_manifests(rendered):
   mount = lambda c: {m["name"] for m in c["volumeMounts"] if m["mountPath"] == k.relay.dir}  # noqa
   assert mount(server) & mount(relay)  # the relay writes where the server reads
 
+  assert cs[("Deployment", f"{k.name}-router")]["router"]["command"][1:] == ["-m",
+                                                                            "launch.router"]
   router = cs[("Deployment", f"{k.name}-router")]["router"]["args"]
   assert after(router, "--worker-urls") == [
       f"http://{k.name}-sglang-{i}.{k.name}-sglang.{svc}:{k.sglang.port}"
@@ -344,6 +383,23 @@ def test_k8s_manifests(rendered):
   assert flag_value(a, "learner") == f"{learner0}:{k.learner.port}"
   assert flag_value(a, "config.rollout.sglang_url") == f"http://{k.name}-router.{svc}:" \
                                                       f"{k.router.port}"
+
+  # Who may reach which port (the policies select pods by the labels the workloads carry).
+  policy = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "NetworkPolicy"}
+
+  def admits(target, port):
+    rules = policy[f"{k.name}-{target}"]["ingress"]
+    return sorted(f["podSelector"]["matchLabels"]["app"] for r in rules
+                  if {"port": port} in r["ports"] for f in r["from"])
+
+  assert admits("learner", k.learner.port) == [f"{k.name}-sglang", f"{k.name}-workers"]
+  assert admits("learner", k.learner.coordinator_port) == [f"{k.name}-learner"]
+  assert admits("sglang", k.sglang.port) == [f"{k.name}-router"]
+  assert admits("router", k.router.port) == [f"{k.name}-workers"]
+  labels = {d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"]["app"]
+            for d in docs if d["kind"] in ("Job", "StatefulSet", "Deployment")}
+  for spec in policy.values():
+    assert spec["podSelector"]["matchLabels"]["app"] in labels.values()
 
 
 def test_k8s_claims_are_mounted(tmp_path):
@@ -360,7 +416,7 @@ def test_k8s_claims_are_mounted(tmp_path):
     claims = {v["name"]: v["persistentVolumeClaim"]["claimName"]
               for v in pod.get("volumes", []) if "persistentVolumeClaim" in v}
     for c in pod["containers"]:
-      if "sglang_router.launch_router" in c["command"]:
+      if "launch.router" in c["command"]:
         continue  # the router reads nothing
       mounted = {m["mountPath"]: claims.get(m["name"]) for m in c.get("volumeMounts", [])}
       assert mounted.get(k.checkpoint) == "weights", (d["metadata"]["name"], c["name"])
@@ -370,7 +426,7 @@ def test_k8s_claims_are_mounted(tmp_path):
 
 def test_tpu_vm_script(rendered, tpu_calls):
   _, k, _ = rendered
-  local, remote, remote_calls, stdout = tpu_calls
+  local, remote, remote_calls, stdout, with_env = tpu_calls
   verbs = {c[4]: c for c in local if c[0] == "gcloud"}
   assert set(verbs) == {"create", "scp", "ssh", "describe"}
   create = verbs["create"]
@@ -385,7 +441,8 @@ def test_tpu_vm_script(rendered, tpu_calls):
   (module, a), = [module_args(c) for c in remote_calls]
   assert module == "launch.learner"
   assert "--distributed" in a and flag_value(a, "address") == f"0.0.0.0:{k.learner.port}"
-  assert flag_value(a, "auth_token") == TOKEN  # read on the host from the copied file
+  assert "auth_token" not in flag_names(a)
+  assert [token for _, token, _ in with_env] == [TOKEN]  # read on the host from the copied file
   assert flag_value(a, "config.mesh.data") == str(k.tpu.mesh_data)
   assert flag_value(a, "config.mesh.fsdp") == str(k.tpu.mesh_fsdp)
   assert flag_value(a, "config.service.export_hf") == "False"
@@ -457,7 +514,7 @@ def test_router_flags_exist(rendered, slurm_calls):
   assert r.returncode == 0, r.stderr
   defined = set(re.findall(r"--([a-z][a-z0-9-]*)", r.stdout))
   commands = [args for _, m, args in all_commands(rendered, slurm_calls)
-              if m == "sglang_router.launch_router"]
+              if m == "launch.router"]  # sglang_router's own flags, with the key from env
   assert len(commands) == 2  # Slurm and Kubernetes
   for args in commands:
     assert flag_names(args) <= defined, flag_names(args) - defined
@@ -478,6 +535,10 @@ def test_sglang_flags_are_documented(rendered, slurm_calls):
     (["--cluster.learner.devices_per_node=8"], "learner.mesh_data * learner.mesh_fsdp"),
     # 16 devices: the recipe's packing.row_buckets (8, 16, ...) do not split over them
     (["--cluster.learner.devices_per_node=8", "--cluster.learner.mesh_fsdp=8"], "row_buckets"),
+    # two learner pods writing checkpoint shards to their own emptyDirs
+    (["--cluster.k8s.run_dir_pvc="], "k8s.run_dir_pvc"),
+    (["--cluster.tls.dir=/etc/fr_jax/tls"], "k8s.tls_secret"),
+    (["--cluster.sglang_key_env=1BAD"], "sglang_key_env"),
 ])
 def test_bad_config_is_one_line_and_exit_2(tmp_path, override, named):
   r = cli(f"--cluster={EXAMPLE}", f"--out={tmp_path}", *override)
@@ -496,3 +557,28 @@ def test_one_target_checks_only_what_it_uses(tmp_path):
   r = cli(f"--cluster={EXAMPLE}", "--target=tpu_vm", f"--out={tmp_path}",
           "--cluster.tpu.accelerator_type=v5p-8")
   assert r.returncode == 2 and "v5p-8 has 4 JAX devices" in r.stderr, r.stderr
+
+
+def test_tls_reaches_every_grpc_end(tmp_path):
+  """With tls.dir, the learner serves mutual TLS and every worker and relay presents the
+  client certificate, in all three files."""
+  d = "/etc/fr_jax/tls"
+  r = cli(f"--cluster={EXAMPLE}", "--target=all", f"--out={tmp_path}", f"--cluster.tls.dir={d}",
+          "--cluster.k8s.tls_secret=fr-jax-tls")
+  assert r.returncode == 0, r.stderr
+  server = [f"--tls_cert={d}/server.pem", f"--tls_key={d}/server.key",
+            f"--tls_client_ca={d}/ca.pem"]
+  client = [f"--tls_ca={d}/ca.pem", f"--tls_cert={d}/client.pem", f"--tls_key={d}/client.key"]
+  docs = list(yaml.safe_load_all((tmp_path / "k8s.yaml").read_text()))
+  for pod in containers(docs).values():
+    for c in pod.values():
+      a = c["command"] + c.get("args", [])
+      want = server if "launch.learner" in a else client if (
+          "launch.worker" in a or "launch.weight_relay" in a) else []
+      assert [x for x in a if x.startswith("--tls")] == want, c["name"]
+      if want:
+        assert {"name": "tls", "mountPath": d, "readOnly": True} in c["volumeMounts"]
+  for name in ("slurm.sbatch", "tpu_vm.sh"):
+    text = (tmp_path / name).read_text()
+    assert all(f in text for f in server), name
+  assert (tmp_path / "slurm.sbatch").read_text().count(client[1]) == 2  # relays, workers

@@ -30,6 +30,15 @@ def get_config():
   # The shared gRPC token: read from this environment variable (Slurm, TPU VM) or the Secret
   # k8s.token_secret (key "token"); never written into a rendered file.
   c.token_env = "FR_JAX_TOKEN"
+  # The SGLang servers' API key (their --api-key; the router, the relays and the workers
+  # present it): read from this environment variable (Slurm) or the Secret
+  # k8s.sglang_key_secret; never on a command line or in a rendered file.
+  c.sglang_key_env = "SGLANG_API_KEY"
+  # Mutual TLS for gRPC (learner <-> workers and relays): a folder on every host (a Secret
+  # mounted there on Kubernetes) holding ca.pem, server.pem, server.key (the learner's, for
+  # the name the others dial) and client.pem, client.key. Empty: the token alone, in clear
+  # text: keep the network private.
+  c.tls = ml_collections.ConfigDict(dict(dir=""))
   c.learner = ml_collections.ConfigDict(dict(
       nodes=2,
       devices_per_node=4,
@@ -57,7 +66,9 @@ def get_config():
       cpus=4,  # per worker (and for the router)
   ))
   c.relay = ml_collections.ConfigDict(dict(
-      dir="/tmp/fr_jax_relay",  # local disk beside each SGLang server: the weights it loads
+      # local disk beside each SGLang server: the weights it loads (Slurm: a private
+      # folder DIR.XXXXXX per job, made with mktemp -d and removed at the end)
+      dir="/tmp/fr_jax_relay",
   ))
   c.slurm = ml_collections.ConfigDict(dict(
       partition="",  # empty: the cluster's default
@@ -71,7 +82,13 @@ def get_config():
       sglang_image="lmsysorg/sglang:latest",  # pin the tag you tested
       gpu_resource="nvidia.com/gpu",
       token_secret="fr-jax-token",  # a Secret with key "token" (see BUILD.md)
-      run_dir_pvc="",  # ReadWriteMany claim mounted at run_dir; empty: lost with the pods
+      # a Secret with keys "key" (the API key) and "sglang.yaml" ("api-key: <the key>", the
+      # servers' --config file)
+      sglang_key_secret="fr-jax-sglang",
+      tls_secret="",  # with tls.dir: a Secret holding the TLS files, mounted at tls.dir
+      # ReadWriteMany claim mounted at run_dir (every learner pod writes its checkpoint
+      # shards there, and the admission log must outlive pod 0); required with > 1 pod
+      run_dir_pvc="fr-math-runs",
       checkpoint_pvc="",  # claim holding the checkpoint, mounted read-only; empty: in the image
   ))
   c.tpu = ml_collections.ConfigDict(dict(

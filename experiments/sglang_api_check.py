@@ -95,6 +95,8 @@ USES: tuple[Use, ...] = (
   Use("route", "/update_weights_from_disk", "POST"),
   Use("route", "/continue_generation", "POST"),
   Use("route", "/server_info", "GET"),
+  Use("route", "/model_info", "GET"),  # the relay: which version a server holds
+  Use("response", "/model_info", "weight_version"),
   # /generate body (SGLangEngine.payload).
   Use("request", "/generate", "input_ids"),
   Use("request", "/generate", "sampling_params"),

@@ -102,6 +102,7 @@ def main(argv):
                   load_errors=(SGLangError,), fetch_timeout_s=FLAGS.fetch_timeout_s,
                   # retried: no answer (a load of the same path and version is idempotent)
                   unreachable=lambda e: e.reason in (Reason.UNREACHABLE, Reason.TIMEOUT),
+                  served=server.served_version,
                   say=lambda line: print(line, flush=True))
   stop = threading.Event()
   for sig in (signal.SIGTERM, signal.SIGINT):

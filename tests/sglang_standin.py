@@ -317,6 +317,9 @@ class StandInSGLang:
           self._send(200, {})
         elif self.path == "/server_info":
           self._send(200, server.server_info())
+        elif self.path == "/model_info":  # SGLang: "default" until a load names a version
+          v = server.engine.version if server.loads else "default"
+          self._send(200, {"weight_version": str(v), "model_path": "stand-in"})
         else:
           self._send(404, {"error": f"no route {self.path}"})
 

@@ -112,6 +112,12 @@ SYNTHETIC = {
     @app.get("/server_info")
     async def server_info():
       return {**build_server_info(server_args), "version": __version__}
+
+    @app.get("/model_info")
+    async def model_info():
+      result = {"model_path": manager.model_path,
+                "weight_version": manager.config_value("weight_version")}
+      return result
     """),
   chk.IO_STRUCT: _src("""
     @dataclass

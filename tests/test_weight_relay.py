@@ -108,6 +108,30 @@ def test_damaged_streams_are_named(damage, reason):
   assert e.value.reason == reason
 
 
+def test_hostile_shapes_and_sizes_are_named_before_any_allocation():
+  """A shape whose byte count overflows int64 used to raise ValueError (not WeightsError:
+  it ended the relay's thread), and the receive buffer was sized from the sender's
+  total_bytes before anything was checked against the model: a stream can now be held to
+  `max_bytes` (the model's size) before a byte is allocated."""
+  first = _fields(chunks_of(FLAT)[0])
+  # 2**62 * 8 * 4 bytes wraps to 0 in int64: an "empty" tensor of that shape
+  huge = pb.WeightsChunk(**{**first, "shape": [2**62, 8], "total_bytes": 0, "data": b"",
+                            "num_tensors": 1, "crc32": 0})
+  with pytest.raises(codec.WeightsError) as e:
+    codec.assemble_weights([huge])
+  assert e.value.reason == "bad_chunk"
+  big = pb.WeightsChunk(**{**first, "shape": [2**20, 2**10], "total_bytes": 2**32,
+                           "dtype": "float32", "data": b""})
+  with pytest.raises(codec.WeightsError) as e:
+    codec.assemble_weights([big], max_bytes=10**6)
+  assert e.value.reason == "too_big"
+  total = sum(a.nbytes for a in FLAT.values())
+  with pytest.raises(codec.WeightsError) as e:  # the sum over tensors counts, not each alone
+    codec.assemble_weights(chunks_of(FLAT), max_bytes=total - 1)
+  assert e.value.reason == "too_big"
+  assert codec.assemble_weights(chunks_of(FLAT), max_bytes=total)[0] == 4
+
+
 def _fields(c):
   d = {f.name: getattr(c, f.name) for f in c.DESCRIPTOR.fields}
   d["crc32"] = c.crc32 if c.HasField("crc32") else None
@@ -355,6 +379,41 @@ def test_a_refused_load_is_not_retried_and_an_unreachable_server_is(tmp_path):
     stop.set()
     client.close()
     engine.close()
+    srv.stop(server)
+
+
+def test_a_restarted_server_gets_the_current_version_again(tmp_path, tiny_model):
+  """A server that restarts comes back with the weights it was launched with; the relay
+  notices (the server's /model_info weight_version is not what it delivered) and loads the
+  current version again. It used to believe the server still held it."""
+  service = PublishedWeights()
+  service.publish(1, host_params(11))
+  server, port = srv.serve(service)
+  standin = StandInSGLang(tiny_model)
+  sport = int(standin.url.rsplit(":", 1)[1])
+  client = WeightsClient(f"127.0.0.1:{port}", worker_id="relay-test")
+  cfg, tok = relay.model_spec("tiny-chat")
+  engine = SGLangEngine(standin.url, retries=0)
+  r = relay.Relay(client, engine.update_weights, tmp_path, cfg, tok, backoff_min=0.05,
+                  load_errors=(SGLangError,), poll_s=0.1, say=lambda line: None,
+                  unreachable=lambda e: e.reason is Reason.UNREACHABLE,
+                  served=engine.served_version)
+  stop = threading.Event()
+  t = threading.Thread(target=r.run, args=(stop,))
+  try:
+    t.start()
+    wait_for(lambda: r.delivered == 1, 60, "v1 delivered")
+    standin.close()
+    standin = StandInSGLang(tiny_model, port=sport)  # back with its launch weights
+    assert engine.served_version() is None  # "default": no version given at launch
+    wait_for(lambda: [v for v, _, _ in standin.loads] == [1], 60, "v1 loaded again")
+    assert r.failures["server_reset"] >= 1 and r.delivered == 1
+  finally:
+    stop.set()
+    t.join(30)
+    client.close()
+    engine.close()
+    standin.close()
     srv.stop(server)
 
 

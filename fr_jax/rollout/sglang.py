@@ -379,6 +379,16 @@ class SGLangEngine:
       finally:
         self._call("/continue_generation", {})
 
+  def served_version(self) -> int | None:
+    """The weight version the server says it holds (`/model_info`'s weight_version); None
+    for "default" (no load has named one since it started: a restarted server) or a name
+    that is not a number."""
+    v = self._call("/model_info", method="GET").get("weight_version")
+    try:
+      return int(v)
+    except (TypeError, ValueError):
+      return None
+
   def close(self):
     self._pool.shutdown(wait=False, cancel_futures=True)
     self._http.close()

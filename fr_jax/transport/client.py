@@ -106,11 +106,13 @@ class WeightsClient:
     self.stub = rpc.Stub(self.channel)
     self._md = (("authorization", f"Bearer {token}"),) if token else None
 
-  def fetch_weights(self, min_version: int, timeout: float = 300.0):
+  def fetch_weights(self, min_version: int, timeout: float = 300.0,
+                    max_bytes: int | None = None):
     """(version, {name: NumPy array}, hf_dir), or None when the learner's weights are older
-    than `min_version`. Chunks are assembled as they arrive (no second copy of the stream).
-    Raises codec.WeightsError: `unreachable` (no chunk came), `stream_cut` (the stream broke
-    after some), or the codec's reasons for a stream that arrived damaged."""
+    than `min_version`. Chunks are assembled as they arrive (no second copy of the stream);
+    `max_bytes` (the model's size) bounds what is allocated for them. Raises
+    codec.WeightsError: `unreachable` (no chunk came), `stream_cut` (the stream broke after
+    some), or the codec's reasons for a stream that arrived damaged or too big."""
     got = 0
 
     def counted(stream):
@@ -127,7 +129,7 @@ class WeightsClient:
       first = next(chunks, None)
       if first is None:
         return None
-      return codec.assemble_weights(itertools.chain([first], chunks))
+      return codec.assemble_weights(itertools.chain([first], chunks), max_bytes=max_bytes)
     except grpc.RpcError as e:
       reason = "stream_cut" if got else "unreachable"
       raise codec.WeightsError(reason, f"weights from {self.address} after {got} chunks: "

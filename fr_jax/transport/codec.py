@@ -11,6 +11,7 @@ tensor matches its CRC, and otherwise raises `WeightsError` with a named reason.
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Iterator
 
@@ -170,25 +171,32 @@ class _Partial:
   """One tensor being assembled; its CRC runs along while chunks arrive in order."""
   __slots__ = ("buf", "dtype", "shape", "got", "crc", "want_crc", "in_order")
 
-  def __init__(self, c: pb.WeightsChunk):
+  def __init__(self, c: pb.WeightsChunk, room: int | None):
     try:
       dt = _np_dtype(c.dtype)
     except TrajectoryError as e:
       raise WeightsError("bad_chunk", f"tensor {c.name!r}: {e}") from None
     shape = tuple(int(d) for d in c.shape)
-    n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    n = math.prod(shape) * dt.itemsize  # Python ints: no int64 wrap-around
     if any(d < 0 for d in shape) or n != c.total_bytes:
       raise WeightsError("bad_chunk", f"tensor {c.name!r}: {c.total_bytes} bytes do not hold "
                          f"a {c.dtype} array of shape {shape}")
+    if room is not None and n > room:  # checked before the buffer exists
+      raise WeightsError("too_big", f"tensor {c.name!r} ({n} bytes) takes the stream past "
+                         "the model's size")
     self.buf, self.dtype, self.shape = bytearray(n), c.dtype, shape
     self.got, self.crc, self.want_crc, self.in_order = 0, 0, None, True
 
 
-def assemble_weights(chunks) -> tuple[int, dict[str, np.ndarray], str]:
+def assemble_weights(chunks, max_bytes: int | None = None
+                     ) -> tuple[int, dict[str, np.ndarray], str]:
   """(version, {name: array}, hf_dir) from a chunk stream. Checks it arrived whole and that
-  every tensor matches its CRC-32; anything else raises WeightsError with its reason. The
-  arrays share the received buffers (no copy)."""
+  every tensor matches its CRC-32; anything else raises WeightsError with its reason. With
+  `max_bytes` (the model's size), a stream whose tensors add up to more is refused
+  (`too_big`) before their buffers are allocated. The arrays share the received buffers (no
+  copy)."""
   parts: dict[str, _Partial] = {}
+  room = max_bytes
   version, expected, hf_dir = None, None, ""
   for c in chunks:
     if version is None:
@@ -200,7 +208,8 @@ def assemble_weights(chunks) -> tuple[int, dict[str, np.ndarray], str]:
       expected = c.num_tensors
     t = parts.get(c.name)
     if t is None:
-      t = parts[c.name] = _Partial(c)
+      t = parts[c.name] = _Partial(c, room)
+      room = None if room is None else room - len(t.buf)
     elif (c.dtype, tuple(c.shape), c.total_bytes) != (t.dtype, t.shape, len(t.buf)):
       raise WeightsError("bad_chunk", f"tensor {c.name!r} changed dtype or shape mid-stream")
     end = c.offset + len(c.data)

@@ -22,6 +22,9 @@ One loop, one version at a time:
    error) is not asked again for that version (each try pauses it): the refusal is counted
    (`load_refused`), kept in `refused` with its message, and the relay waits for another
    version. Only a load that succeeds delivers the version.
+5. **Check.** With `served` (the launcher passes `SGLangEngine.served_version`), each poll asks
+   the server which version it holds; a server that restarted comes back with its launch
+   weights, and the learner's version is delivered to it again (`server_reset`).
 
 The HF config comes from the run config's model (`model_spec`: its shapes, GGUF metadata or
 config.json, never its weights) and is checked against every tensor received; a mismatch
@@ -35,11 +38,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from fr_jax import durable
@@ -170,6 +175,7 @@ class Relay:
                keep: int = 2, poll_s: float = 1.0, load_errors: tuple = (OSError,),
                unreachable: Callable[[BaseException], bool] = (
                    lambda e: isinstance(e, (ConnectionError, TimeoutError))),
+               served: Callable[[], int | None] | None = None,
                backoff_min: float = 0.2, backoff_max: float = 5.0,
                fetch_timeout_s: float = 3600.0, max_fetch_attempts: int = 8,
                say: Callable[[str], None] = print):
@@ -178,7 +184,11 @@ class Relay:
     self.client, self.load, self.out_dir = client, load, Path(out_dir)
     self.cfg, self.tokenizer_files, self.server = cfg, tokenizer_files, server
     self.keep, self.poll_s, self.load_errors = keep, poll_s, load_errors
-    self.unreachable = unreachable
+    self.unreachable, self.served = unreachable, served
+    # What the configured model's parameters take (4 bytes each at most, as published): a
+    # stream that claims more is refused before anything is allocated for it.
+    self.max_bytes = 4 * sum(math.prod(s) for s in jax.tree.leaves(
+        decoder.param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple)))
     self.refused: dict[int, str] = {}  # version -> the server's refusal
     self.backoff_min, self.backoff_max = backoff_min, backoff_max
     self.fetch_timeout_s, self.say = fetch_timeout_s, say
@@ -203,7 +213,8 @@ class Relay:
       attempts += 1
       t0 = time.perf_counter()
       try:
-        got = self.client.fetch_weights(min_version, timeout=self.fetch_timeout_s)
+        got = self.client.fetch_weights(min_version, timeout=self.fetch_timeout_s,
+                                        max_bytes=self.max_bytes)
       except codec.WeightsError as e:
         self.failures[e.reason] += 1
         if stop.is_set() or e.reason == "unreachable":
@@ -266,6 +277,22 @@ class Relay:
     self.say(d.line(self.server))
     return d
 
+  def _check_served(self) -> None:
+    """A server that restarted holds its launch weights, not what was delivered: then the
+    learner's version is delivered again (counted as `server_reset`)."""
+    if self.served is None or self.delivered < 0:
+      return
+    try:
+      v = self.served()
+    except self.load_errors as e:  # down right now: the next poll asks again
+      log.debug("relay: %s did not say its version (%s)", self.server, e)
+      return
+    if v != self.delivered:
+      self.failures["server_reset"] += 1
+      log.warning("relay: %s holds version %s, not v%d (it restarted?); loading the "
+                  "learner's version again", self.server, v, self.delivered)
+      self.delivered = -1
+
   def stats(self) -> dict:
     return dict(engine_version=self.delivered, trajectories=0, tokens=0,
                 uptime_s=time.monotonic() - self.t_start, inflight=0)
@@ -286,6 +313,7 @@ class Relay:
         unreachable_since = None
         if hb["shutdown"]:
           return "shutdown"
+        self._check_served()
         want = hb["version"]
         if want >= 0 and want != self.delivered and want not in self.refused:
           # newer: anything from delivered+1 on; older (the learner restarted from an older

@@ -113,14 +113,24 @@ def read_jsonl(path) -> list[list[dict]]:
   """Conversations from a JSONL file, one `{"messages": [...]}` per line (blank lines
   skipped); SFTDataError names the first bad line."""
   out = []
-  with open(path, encoding="utf-8") as f:
-    for n, line in enumerate(f, 1):
+  try:
+    f = open(path, "rb")
+  except OSError as e:  # missing, a folder, unreadable
+    raise SFTDataError(f"cannot read {path}: {e.strerror}") from None
+  with f:
+    for n, raw in enumerate(f, 1):
+      try:
+        line = raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise SFTDataError(f"{path}:{n}: not UTF-8 (byte {e.start} of the line)") from None
       if not line.strip():
         continue
       try:
         row = json.loads(line)
       except json.JSONDecodeError as e:
         raise SFTDataError(f"{path}:{n}: not JSON ({e.msg})") from None
+      except RecursionError:
+        raise SFTDataError(f"{path}:{n}: nested too deeply to parse") from None
       msgs = row.get("messages") if isinstance(row, dict) else None
       out.append(check_conversation(msgs, f"{path}:{n}"))
   if not out:

@@ -116,6 +116,16 @@ def test_sft_data_errors_name_the_line(tmp_path):
   p.write_text("{not json\n")
   with pytest.raises(sft.SFTDataError, match=r"d.jsonl:1: not JSON"):
     sft.read_jsonl(p)
+  # Bytes that are not UTF-8, nesting that exhausts the parser, a folder: each one named
+  # (they used to escape as UnicodeDecodeError, RecursionError and IsADirectoryError).
+  p.write_bytes(json.dumps(good).encode() + b"\n" + b'{"messages": "\xff\xfe"}\n')
+  with pytest.raises(sft.SFTDataError, match=r"d.jsonl:2: not UTF-8"):
+    sft.read_jsonl(p)
+  p.write_text("[" * 100_000 + "]" * 100_000 + "\n")
+  with pytest.raises(sft.SFTDataError, match=r"d.jsonl:1: nested too deeply"):
+    sft.read_jsonl(p)
+  with pytest.raises(sft.SFTDataError, match=r"cannot read .*Is a directory"):
+    sft.read_jsonl(tmp_path)
   with pytest.raises(sft.SFTDataError, match="last message must be an assistant"):
     sft.check_conversation([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
                             {"role": "tool", "content": "c"}])

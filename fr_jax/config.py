@@ -45,7 +45,8 @@ def default_config() -> ml_collections.ConfigDict:
       # (unsafe: the code can read the worker user's files and reach the network).
       allow_limits_only=False,
       # The tool's resource limits per call (fr_jax.envs.sandbox.Limits; defaults are its own):
-      # wall_seconds, cpu_seconds, memory_bytes (address space per process), max_processes,
+      # wall_seconds, cpu_seconds, memory_bytes (address space per process),
+      # call_memory_bytes (the whole call, where a memory cgroup can be made), max_processes,
       # max_output_bytes (what the model sees), max_file_bytes, tmpfs_bytes, max_code_bytes.
       tool_limits=ml_collections.ConfigDict(
           {k: v for k, v in dataclasses.asdict(Limits()).items() if k != "allow_limits_only"}),

@@ -202,3 +202,50 @@ def test_scratch_is_writable_and_size_limited():
   size, cwd = r.output.split("\n")[0].split()
   assert size == "1000" and cwd == "/tmp/work"
   assert "No space left on device" in r.output
+
+
+# --- one memory limit for the whole call ---
+CHILDREN = r"""
+import json, sys
+from fr_jax.envs import sandbox
+lim = sandbox.Limits(call_memory_bytes=256 * 2**20, memory_bytes=512 * 2**20, wall_seconds=30,
+                     cpu_seconds=20)
+code = '''
+import os, time
+kids = []
+for i in range(6):
+  pid = os.fork()
+  if pid == 0:
+    b = bytearray(100 * 2**20)
+    for j in range(0, len(b), 4096):
+      b[j] = 1
+    time.sleep(1.0)
+    os._exit(0)
+  kids.append(pid)
+killed = sum(os.WIFSIGNALED(os.waitpid(p, 0)[1]) for p in kids)
+print("OUT killed", killed)
+'''
+r = sandbox.run_python(code, lim)
+print(json.dumps({"containment": sandbox.memory_containment(), "ok": r.ok, "out": r.output,
+                  "isolation": r.isolation}))
+"""
+
+
+@needs_userns
+@pytest.mark.parametrize("mode", MODES)
+def test_six_children_share_one_memory_limit(mode, world_readable_copy):
+  """Six children each touching 100 MiB under a 256 MiB call limit: at most two fit, so the
+  kernel kills at least three (the per-process address-space limit alone let all six run,
+  1.2 GiB together). Where the worker cannot make a memory cgroup (an unprivileged worker on
+  most machines) the sandbox says so rather than claim the limit."""
+  out = as_user(mode, ["-c", CHILDREN], world_readable_copy, timeout=120)
+  assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-2000:])
+  r = json.loads(out.stdout.strip().splitlines()[-1])
+  kind, where = r["containment"]
+  killed = int(r["out"].split("OUT killed")[1].split()[0])
+  if kind.startswith("cgroup"):
+    assert r["ok"] and killed >= 3, r
+  else:
+    assert kind == "per-process" and "cgroup" in where, r
+    assert mode == "unprivileged", "a root worker here should get a memory cgroup"
+    assert killed == 0, r  # what the limit would have stopped, said out loud above

@@ -362,6 +362,8 @@ def _limits_only(spec, code):
 
 def main():
   spec = json.loads(sys.argv[1])
+  if spec.get("cgroup"):  # before anything forks: every process of the call is counted
+    _write(os.path.join(spec["cgroup"], "cgroup.procs"), str(os.getpid()))
   with open(spec["code_file"]) as f:
     code = f.read()
   if spec["mode"] == "namespaces":

@@ -18,6 +18,12 @@ Containment, from outside in (`_sandbox_entry.py` has the process layout):
   further user namespaces, no_new_privs), with per-call limits: CPU seconds, address space,
   processes (counted per user namespace, so one call's fork bomb cannot starve another),
   file size, open files, no core dumps; no inherited descriptors.
+* One memory limit on the whole call (`call_memory_bytes`: every process of it together,
+  its tmpfs included), where the worker may make a memory cgroup (cgroup v1 or v2 with the
+  memory controller delegated: a root worker on most machines). The entry joins the call's
+  cgroup before it forks anything; the kernel kills a process of the call that takes it past
+  the limit. Elsewhere only the per-process address-space limit holds (six children could then
+  use six times `memory_bytes`); `memory_containment()` says which, and a worker logs it once.
 * The isolated interpreter (`python -I -S`) in an empty working directory with a minimal
   environment. The caller enforces the wall-clock limit, the output cap and the code size,
   kills the whole process tree on overrun, and never raises for anything the code does: the
@@ -49,6 +55,7 @@ class Limits:
   wall_seconds: float = 10.0
   cpu_seconds: int = 5
   memory_bytes: int = 512 * 2**20  # address space, per process
+  call_memory_bytes: int = 512 * 2**20  # resident memory of the whole call (a cgroup)
   max_processes: int = 16  # per call (threads count)
   max_output_bytes: int = 16 * 1024  # what the model sees (stdout + stderr)
   max_file_bytes: int = 8 * 2**20  # any single file the code writes
@@ -78,6 +85,9 @@ class ToolResult:
 
 _PROBE: tuple[bool, str] | None = None
 _PROBE_LOCK = threading.Lock()
+_CGROUP: tuple[str, str] | None = None  # (kind "v1" | "v2" | "", base folder or the reason)
+_CGROUP_N = [0]
+_CGROUP_LOCK = threading.Lock()  # not _PROBE_LOCK: the probe's own call makes a cgroup
 _WARNED = threading.Event()
 _WARN_LOCK = threading.Lock()
 
@@ -119,6 +129,10 @@ def require_isolation(limits: Limits = Limits()) -> str:
         f"reach the network)")
   if mode == "limits-only":
     _warn_limits_only()
+  kind, where = memory_containment()
+  if kind == "per-process":
+    log.warning("the Python tool's memory limit is per process only (%s): a call's processes "
+                "together may use up to agent.tool_limits.max_processes x memory_bytes", where)
   return mode
 
 
@@ -130,6 +144,99 @@ def _warn_limits_only():
   if first:
     log.warning("the Python tool runs model code with resource limits only: user namespaces "
                 "are unavailable (%s) and allow_limits_only is set", probe()[1])
+
+
+def _own_cgroup_dirs():
+  """(kind, folder) candidates for this process's own memory cgroup: v1's memory hierarchy,
+  then v2's (unified, or the whole /sys/fs/cgroup)."""
+  try:
+    lines = open("/proc/self/cgroup").read().splitlines()
+  except OSError:
+    return []
+  own = {}
+  for line in lines:
+    _, controllers, path = line.split(":", 2)
+    own["v1" if "memory" in controllers.split(",") else "v2" if controllers == "" else "-"] = path
+  out = []
+  if "v1" in own:
+    out += [("v1", Path("/sys/fs/cgroup/memory") / own["v1"].lstrip("/")),
+            ("v1", Path("/sys/fs/cgroup/memory"))]  # a namespaced view: its own root
+  if "v2" in own:
+    for root in (Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup")):
+      out.append(("v2", root / own["v2"].lstrip("/")))
+  return out
+
+
+def _limit_files(kind: str) -> list[str]:
+  return (["memory.limit_in_bytes", "memory.memsw.limit_in_bytes"] if kind == "v1"
+          else ["memory.max", "memory.swap.max"])
+
+
+def _make_cgroup(kind: str, base: Path, name: str, limit: int) -> Path:
+  """A child cgroup of `base` holding at most `limit` bytes (swap included); OSError if the
+  kernel refuses any step."""
+  d = base / name
+  d.mkdir()
+  try:
+    first, swap = _limit_files(kind)
+    if kind == "v2" and "memory" not in (d / "cgroup.controllers").read_text().split():
+      raise OSError(f"the memory controller is not delegated to {base}")
+    (d / first).write_text(str(limit))
+    if (d / swap).exists():  # v1: memory+swap >= memory; v2: swap on its own
+      (d / swap).write_text(str(limit) if kind == "v1" else "0")
+  except OSError:
+    d.rmdir()
+    raise
+  return d
+
+
+def memory_containment() -> tuple[str, str]:
+  """("cgroup v1" | "cgroup v2", folder) when each call gets a memory cgroup here, else
+  ("per-process", the reason), found once per process."""
+  global _CGROUP
+  with _CGROUP_LOCK:
+    if _CGROUP is None:
+      why = "no memory cgroup in /proc/self/cgroup"
+      for kind, base in _own_cgroup_dirs():
+        try:
+          _make_cgroup(kind, base, f"fr_sandbox_probe_{os.getpid()}", 64 * 2**20).rmdir()
+          _CGROUP = (kind, str(base))
+          break
+        except OSError as e:
+          why = f"cannot make a memory cgroup under {base}: {e.strerror or e}"
+      else:
+        _CGROUP = ("", why)
+  kind, where = _CGROUP
+  return (f"cgroup {kind}", where) if kind else ("per-process", where)
+
+
+def _call_cgroup(limits: Limits) -> Path | None:
+  """The call's own memory cgroup, or None where none can be made."""
+  memory_containment()
+  kind, base = _CGROUP
+  if not kind:
+    return None
+  with _CGROUP_LOCK:
+    _CGROUP_N[0] += 1
+    n = _CGROUP_N[0]
+  try:
+    return _make_cgroup(kind, Path(base), f"fr_sandbox_{os.getpid()}_{n}",
+                        limits.call_memory_bytes)
+  except OSError as e:
+    log.warning("no memory cgroup for this call (%s); per-process limits only", e)
+    return None
+
+
+def _remove_cgroup(d: Path | None) -> None:
+  if d is None:
+    return
+  for _ in range(50):  # the call's processes are reaped; the kernel may lag a little
+    try:
+      d.rmdir()
+      return
+    except OSError:
+      time.sleep(0.02)
+  log.warning("could not remove the call's cgroup %s", d)
 
 
 def _mark(text: str, note: str) -> str:
@@ -171,6 +278,8 @@ def _run(code: str, limits: Limits, mode: str) -> ToolResult:
         "fsize": limits.max_file_bytes, "tmpfs": limits.tmpfs_bytes,
     }
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/nonexistent"}
+    cgroup = _call_cgroup(limits)
+    spec["cgroup"] = str(cgroup) if cgroup is not None else ""
     try:
       proc = subprocess.Popen([python, "-I", "-S", str(_ENTRY), json.dumps(spec)],
                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -178,11 +287,15 @@ def _run(code: str, limits: Limits, mode: str) -> ToolResult:
                               start_new_session=True, pass_fds=(status_w,))
     except OSError as e:
       os.close(status_r)
+      _remove_cgroup(cgroup)
       return ToolResult(False, _mark("", f"sandbox error: {e}"), None, "sandbox_error",
                         time.monotonic() - t0, mode)
     finally:
       os.close(status_w)
-    out, error = _collect(proc, limits, t0)
+    try:
+      out, error = _collect(proc, limits, t0)
+    finally:
+      _remove_cgroup(cgroup)
     with os.fdopen(status_r) as f:
       report = f.read()
     text = out.decode("utf-8", errors="replace")
@@ -208,6 +321,7 @@ def _run(code: str, limits: Limits, mode: str) -> ToolResult:
     elif error == "killed":
       text = _mark(text, f"process killed by signal {-code_} (a resource limit: CPU time, "
                    "memory or processes)")
+
     elif error == "sandbox_error":
       text = _mark(text[-limits.max_output_bytes:], "sandbox error; the code may not have run")
     elif error == "nonzero_exit":

@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 TEST_JOBS ?= 2   # pytest-xdist processes (test files are kept whole per process)
 
-.PHONY: demo demo-agent test test-all lint bench bench-peers smoke chaos sandbox-check replication proto venv clean-venv help \
+.PHONY: demo demo-agent test test-all lint bench bench-peers smoke chaos chaos-fleet sandbox-check replication proto venv clean-venv help \
         device-check device-wheels device-fixtures tpu-tools check-sglang-api
 
 DEMO_DIR ?= runs/demo
@@ -27,6 +27,8 @@ help:
 	@echo "make bench-peers  build llama-cpp-python into .venv (~4 min) for the rollout benchmark"
 	@echo "make smoke     learner + 2 worker processes over loopback gRPC, 5 updates (tiny model)"
 	@echo "make chaos     10 min of crashes, cuts, full disk, poison: lost and duplicated must be 0"
+	@echo "make chaos-fleet  10 min of faults on a 2-process learner, SGLang stand-ins, router,"
+	@echo "               relays and workers: lost, duplicated and stalls must be 0"
 	@echo "make sandbox-check  the tool sandbox's 25 escape attempts on this machine, as this user"
 	@echo "make replication  the paper's seven ablation comparisons, 5 seeds each (tiny model, CPU)"
 	@echo "make proto     regenerate the message classes from fr_jax/transport/fr_jax.proto"
@@ -112,6 +114,13 @@ clean-venv:
 # cuts, a full disk under the admission log and poison records; prints the ledger as JSON.
 chaos: $(STAMP)
 	$(VPY) -m experiments.chaos.run $(CHAOS_ARGS)
+
+# The fleet under faults: a 2-process learner, 2 SGLang stand-ins behind sglang-router, 2
+# weight relays and 4 workers (experiments/chaos/fleet.py); about 15 minutes on 2 cores.
+chaos-fleet: $(STAMP)
+	$(VPY) -m experiments.chaos.fleet --duration_s=600 --workers=4 --learner_kills=6 \
+	  --server_restarts=10 --relay_kills=10 --worker_faults=20 --refusal_windows=6 \
+	  --poison_rounds=10 $(CHAOS_ARGS)
 
 # The device check (experiments/device_check.py; BUILD.md). On the accelerator machine it runs
 # with that machine's python (DEVICE_PY) and unpacks build/device_wheels for what its image

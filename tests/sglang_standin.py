@@ -29,8 +29,11 @@ over parameters published by hand (the weight relay's tests and benchmark).
 
 from __future__ import annotations
 
+import argparse
 import base64
 import json
+import os
+import signal
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -79,7 +82,8 @@ class StandInSGLang:
   def __init__(self, model: registry.LoadedModel, *, num_slots: int = 4, max_len: int = 256,
                step_delay: float = 0.0, drop_before_load: bool = False,
                enable_return_routed_experts: bool = False,
-               routing_config: ModelConfig | None = None, port: int = 0, api_key: str = ""):
+               routing_config: ModelConfig | None = None, port: int = 0, api_key: str = "",
+               refuse_file: str = ""):
     self.engine = EmbeddedEngine(model.config, model.params, tokenizer=model.tokenizer,
                                  num_slots=num_slots, max_len=max_len)
     self.model_config = model.config
@@ -103,6 +107,7 @@ class StandInSGLang:
     self.steps = 0
     handler = self._handler()
     self.api_key = api_key  # as SGLang's --api-key: every route but /health needs the bearer
+    self.refuse_file = refuse_file  # while this file exists, every weight load is refused
     self.http = ThreadingHTTPServer(("127.0.0.1", port), handler)
     self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
     self._threads = [threading.Thread(target=self.http.serve_forever, daemon=True),
@@ -220,6 +225,8 @@ class StandInSGLang:
     if unknown:
       raise ValueError(f"unknown fields {sorted(unknown)}")
     path = Path(body["model_path"])
+    if self.refuse_file and os.path.exists(self.refuse_file):
+      return {"success": False, "message": f"refused: {self.refuse_file} exists (a fault)"}
     try:
       hf = json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -373,3 +380,28 @@ class PublishedWeights:
 
   def system_metrics(self) -> dict:
     return {}
+
+
+def main():
+  """The stand-in as a process, for the fleet chaos run (experiments/chaos/fleet.py)."""
+  p = argparse.ArgumentParser(description="A STAND-IN SGLang server for tests and the fleet "
+                              "chaos run (not SGLang); the API key is $SGLANG_API_KEY")
+  p.add_argument("--model", default="tiny-chat")
+  p.add_argument("--port", type=int, required=True)
+  p.add_argument("--max_len", type=int, default=1024)
+  p.add_argument("--num_slots", type=int, default=8)
+  p.add_argument("--refuse_file", default="", help="weight loads are refused while it exists")
+  a = p.parse_args()
+  server = StandInSGLang(registry.load(a.model), num_slots=a.num_slots, max_len=a.max_len,
+                         port=a.port, api_key=os.environ.get("SGLANG_API_KEY", ""),
+                         refuse_file=a.refuse_file)
+  stop = threading.Event()
+  for sig in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(sig, lambda *_: stop.set())
+  print(f"stand-in SGLang on {server.url}", flush=True)
+  stop.wait()
+  server.close()
+
+
+if __name__ == "__main__":
+  main()

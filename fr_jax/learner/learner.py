@@ -502,7 +502,13 @@ class Learner:
     while True:
       method, trajs, kwargs = self.group.receive()
       log.debug("following %s", method)
-      getattr(self, method)(*([] if trajs is None else [trajs]), **kwargs)
+      try:
+        getattr(self, method)(*([] if trajs is None else [trajs]), **kwargs)
+      except Exception as e:  # noqa: BLE001 -- as process 0's service does with an update
+        if method != "update" or not self.state_intact():
+          raise
+        # Process 0 raised the same (the same code on the same batch) and dead-letters it.
+        log.error("update raised on its batch (%s: %s); following on", type(e).__name__, e)
       if method == "close":
         return
 

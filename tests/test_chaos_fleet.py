@@ -34,6 +34,7 @@ def test_short_fleet_chaos_run_loses_nothing_and_keeps_up(tmp_path):
   # Training went on after every fault; the fleet came back to the learner's version after
   # its restart; every worker was alive at the end.
   assert r["stalls"] == 0 and r["diverged"] == [] and r["convergence_s"]["n"] == 1, r
+  assert r["server_convergence_s"]["n"] == 1, r  # the restarted server got the weights back
   assert r["workers_alive_at_end"] and r["learner_starts"] == 2
   assert r["learner_exit"] == [0, 0]
   # The poison: three refused by name, the routing record's routing dropped (dense model).

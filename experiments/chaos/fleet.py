@@ -33,7 +33,7 @@ acknowledged record against metrics.jsonl, the admission log and the dead letter
   `--converge_bound_s`;
 * `unexpected_exits`: workers, relays or servers that ended on their own (restarted);
 and exits 1 unless nothing acknowledged was lost or used twice, every fault was followed by an
-update, and the fleet converged within the bound after every learner restart.
+update, and the fleet converged within the bound after every learner and server restart.
 """
 
 from __future__ import annotations
@@ -231,7 +231,7 @@ def main(argv):
   events.sort()
   t0 = time.monotonic()
   checks = []  # (kind, time of the fault, update rows before it)
-  convergence, diverged = [], []
+  convergence, server_convergence, diverged = [], [], []
 
   def updated_since(t_wall):
     return any(r["time"] > t_wall for r in fleet.update_rows())
@@ -271,7 +271,20 @@ def main(argv):
       fleet.servers[i].send_signal(signal.SIGKILL)
       fleet.servers[i].wait()
       time.sleep(rng.uniform(1.0, 3.0))
+      hb = poisoner.stats(timeout=30)
+      floor = hb["version"] if hb else 0  # what the learner had when the server came back
       fleet.start_server(i)
+      t_up = time.time()
+      while time.time() - t_up < FLAGS.converge_bound_s:  # back on the learner's weights
+        v = fleet.server_version(i)
+        hb = poisoner.stats(timeout=10)
+        if v is not None and floor <= v <= (hb["version"] if hb else v):
+          server_convergence.append(round(time.time() - t_up, 1))
+          break
+        fleet.restart_dead()
+        time.sleep(0.5)
+      else:
+        diverged.append(dict(server=i, floor=floor, held=fleet.server_version(i)))
     elif kind == "relay_kill":
       i = rng.randrange(2)
       t_wait = time.monotonic() + 5  # catch it mid-write if a write comes soon
@@ -355,7 +368,8 @@ def main(argv):
       chaos="fleet fault injection", workers=FLAGS.workers, duration_s=FLAGS.duration_s,
       faults=dict(faults), stalls=len(stalls), stalled_after=stalls,
       next_update_after_fault_s={k: single._stats(v) for k, v in sorted(recovery.items())},
-      convergence_s=single._stats(convergence), diverged=diverged,
+      convergence_s=single._stats(convergence),
+      server_convergence_s=single._stats(server_convergence), diverged=diverged,
       converge_bound_s=FLAGS.converge_bound_s, unexpected_exits=dict(fleet.exits),
       workers_alive_at_end=all(alive_at_end.values()), learner_exit=codes,
       learner_starts=fleet.learner_starts, relay_failures=dict(relay_failures),

@@ -48,7 +48,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -193,9 +192,7 @@ class Fleet:
 def main(argv):
   del argv
   t_start = time.time()
-  run = Path(FLAGS.run_dir or tempfile.mkdtemp(prefix="fr_jax_chaos_fleet_")).absolute()
-  if run.exists() and any(run.iterdir()):
-    sys.exit(f"run_dir {run} is not empty; give a fresh one")
+  run = single.fresh_run_dir("fr_jax_chaos_fleet_")
   fleet = Fleet(run)
   rng = random.Random(FLAGS.seed)
   faults = collections.Counter()

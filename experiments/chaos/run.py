@@ -264,12 +264,18 @@ def _stats(xs):
               max=round(max(xs), 2) if xs else None)
 
 
+def fresh_run_dir(prefix: str) -> Path:
+  """--run_dir, or a new temporary folder; exits if it already holds something."""
+  run = Path(FLAGS.run_dir or tempfile.mkdtemp(prefix=prefix)).absolute()
+  if run.exists() and any(run.iterdir()):
+    sys.exit(f"run_dir {run} is not empty; give a fresh one")
+  return run
+
+
 def main(argv):
   del argv
   t_start = time.time()
-  run = Path(FLAGS.run_dir or tempfile.mkdtemp(prefix="fr_jax_chaos_")).absolute()
-  if run.exists() and any(run.iterdir()):
-    sys.exit(f"run_dir {run} is not empty; give a fresh one")
+  run = fresh_run_dir("fr_jax_chaos_")
   cluster = Cluster(run)
   rng = random.Random(FLAGS.seed)
   faults = collections.Counter()

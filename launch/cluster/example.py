@@ -67,7 +67,8 @@ def get_config():
   ))
   c.relay = ml_collections.ConfigDict(dict(
       # local disk beside each SGLang server: the weights it loads (Slurm: a private
-      # folder DIR.XXXXXX per job, made with mktemp -d and removed at the end)
+      # folder named after this one plus a random suffix, made with mktemp -d for each job
+      # and removed at the end)
       dir="/tmp/fr_jax_relay",
   ))
   c.slurm = ml_collections.ConfigDict(dict(

@@ -20,6 +20,11 @@ Every function here is pure and jit-able. Two layouts share one implementation:
 Global quantities (B, sum_j R_j, sum_j T_j) can be given from outside (`BatchStats`) so that
 micro-batches see the whole batch's normalisers. On a mesh, the learner jits the packed loss
 over globally sharded arrays, and XLA inserts the collectives for these sums.
+
+Every loss here (the supervised one too: this one with A_i = 1, rho = 1 and no gate) returns
+in `aux` the quantities its terms were built from: per token the log-ratio, the ratio, the
+Bernoulli KL and the admitted mask; per trajectory the advantage, D_i and the decision. The
+learner's metrics are sums of these, so they describe exactly the tokens the loss used.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 PROB_CLAMP = 1e-6  # p and q are clamped to [1e-6, 1 - 1e-6] before the Bernoulli KL.
+DELTA = 3e-3  # the paper's trust bound on D_i: the one default (the learner config's too)
 
 REDUCTIONS = ("sample_mean", "token_mean")
 TRUST_MODES = ("sequence", "token", "none")
@@ -118,6 +124,37 @@ def batch_stats(rewards_N, valid_N, num_action_tokens_N) -> BatchStats:
   )
 
 
+def _token_terms(layout, logp_sg, behavior_logp, mask, T_N):
+  """Per-token log-ratio, ratio and Bernoulli KL (0 off the action tokens) and per-trajectory
+  D_i of detached learner log-probs against the behaviour's: (2), and (3)'s rho."""
+  log_rho = jnp.where(mask, logp_sg - behavior_logp, 0.0)
+  rho = jnp.where(mask, jnp.exp(log_rho), 0.0)
+  d = jnp.where(mask, bernoulli_kl(behavior_logp, logp_sg), 0.0)
+  seq_kl_N = jnp.maximum(0.0, layout.to_traj(d) / jnp.maximum(T_N, 1.0))  # D_i
+  return log_rho, rho, d, seq_kl_N
+
+
+def _aux(A_N, T_N, valid_N, mask, log_rho, rho, d, seq_kl_N, admitted_N, token_admitted):
+  """What a loss was built from: per-token and per-trajectory arrays, and their means over
+  this call's action tokens and valid trajectories."""
+  n_tok = jnp.maximum(mask.astype(jnp.float32).sum(), 1.0)
+  n_valid = jnp.maximum(valid_N.astype(jnp.float32).sum(), 1.0)
+  seq_kl_N = jnp.where(valid_N, seq_kl_N, 0.0)
+  return {
+      "log_ratio": log_rho, "ratio": rho, "token_kl": d, "token_admitted": token_admitted,
+      "advantages": A_N, "seq_kl": seq_kl_N, "admitted": admitted_N, "num_action_tokens": T_N,
+      "acceptance_rate": admitted_N.astype(jnp.float32).sum() / n_valid,
+      "token_acceptance_rate": token_admitted.astype(jnp.float32).sum() / n_tok,
+      "seq_kl_mean": seq_kl_N.sum() / n_valid,
+      "seq_kl_max": seq_kl_N.max(),
+      "token_kl_mean": d.sum() / n_tok,
+      "ratio_mean": rho.sum() / n_tok,
+      "ratio_max": jnp.where(mask, rho, -jnp.inf).max(),
+      "ratio_min": -jnp.where(mask, -rho, -jnp.inf).max(),
+      "log_ratio_abs_mean": jnp.abs(log_rho).sum() / n_tok,
+  }
+
+
 def _reinforce(layout, logp, behavior_logp, rewards_N, valid_N, action_mask, *, delta,
                reduction, trust, advantage, stats):
   _check_choice("reduction", reduction, REDUCTIONS)
@@ -140,9 +177,8 @@ def _reinforce(layout, logp, behavior_logp, rewards_N, valid_N, action_mask, *, 
   A_N = jnp.where(valid_N, A_N, 0.0)
 
   # (2) Trust region on the Bernoulli-KL proxy, with the learner prob detached.
-  logp_sg = jax.lax.stop_gradient(logp)
-  d = jnp.where(mask, bernoulli_kl(behavior_logp, logp_sg), 0.0)
-  seq_kl_N = jnp.maximum(0.0, layout.to_traj(d) / jnp.maximum(T_N, 1.0))  # D_i
+  log_rho, rho, d, seq_kl_N = _token_terms(layout, jax.lax.stop_gradient(logp), behavior_logp,
+                                           mask, T_N)
   if trust == "sequence":
     admitted_N = seq_kl_N <= delta  # inclusive bound; delta=inf admits everything finite
     token_admitted = mask & layout.to_tok(admitted_N)
@@ -156,8 +192,6 @@ def _reinforce(layout, logp, behavior_logp, rewards_N, valid_N, action_mask, *, 
   admitted_N = admitted_N & valid_N
 
   # (3) rho = exp(sg(log pi) - log mu), a constant, unclipped.
-  log_rho = jnp.where(mask, logp_sg - behavior_logp, 0.0)
-  rho = jnp.exp(log_rho)
   weighted_logp = jnp.where(token_admitted, rho * logp, 0.0)
   per_traj_N = layout.to_traj(weighted_logp)  # sum_t m rho log pi
   if reduction == "sample_mean":
@@ -167,32 +201,11 @@ def _reinforce(layout, logp, behavior_logp, rewards_N, valid_N, action_mask, *, 
     # token_mean: the weight 1/(B T_i) becomes 1/sum_j T_j, T over all B rows.
     coef_N = A_N / jnp.maximum(stats.num_action_tokens, 1.0)
   loss = -(coef_N * per_traj_N).sum()
-  loss = loss
-
-  n_tok = maskf.sum()
-  n_valid = valid_N.astype(jnp.float32).sum()
-  aux = {
-      "advantages": A_N,
-      "seq_kl": seq_kl_N,
-      "admitted": admitted_N,
-      "num_action_tokens": T_N,
-      "acceptance_rate": admitted_N.astype(jnp.float32).sum()
-                         / jnp.maximum(n_valid, 1.0),
-      "token_acceptance_rate": token_admitted.astype(jnp.float32).sum()
-                               / jnp.maximum(n_tok, 1.0),
-      "seq_kl_mean": jnp.where(valid_N, seq_kl_N, 0.0).sum()
-                     / jnp.maximum(n_valid, 1.0),
-      "seq_kl_max": jnp.where(valid_N, seq_kl_N, 0.0).max(),
-      "token_kl_mean": d.sum() / jnp.maximum(n_tok, 1.0),
-      "ratio_mean": jnp.where(mask, rho, 0.0).sum() / jnp.maximum(n_tok, 1.0),
-      "ratio_max": jnp.where(mask, rho, -jnp.inf).max(),
-      "ratio_min": -jnp.where(mask, -rho, -jnp.inf).max(),
-      "log_ratio_abs_mean": jnp.abs(log_rho).sum() / jnp.maximum(n_tok, 1.0),
-  }
-  return loss, aux
+  return loss, _aux(A_N, T_N, valid_N, mask, log_rho, rho, d, seq_kl_N, admitted_N,
+                    token_admitted)
 
 
-def flash_reinforce_loss(logp, behavior_logp, rewards, action_mask, *, delta=3e-3,
+def flash_reinforce_loss(logp, behavior_logp, rewards, action_mask, *, delta=DELTA,
                          reduction="sample_mean", trust="sequence",
                          advantage="batch_centered", stats=None):
   """FlashREINFORCE loss on padded arrays.
@@ -209,8 +222,10 @@ def flash_reinforce_loss(logp, behavior_logp, rewards, action_mask, *, delta=3e-
     stats: optional `BatchStats` of the whole batch (for micro-batches); default: this batch.
 
   Returns:
-    (loss, aux). aux: per-trajectory `advantages`, `seq_kl` (D_i), `admitted`,
-    `num_action_tokens` [B]; scalars `acceptance_rate` (admitted trajectories / B),
+    (loss, aux). aux: per token [B, T] (0 or False off the action tokens) `log_ratio`
+    (log pi - log mu, detached), `ratio` (rho), `token_kl` (d_it), `token_admitted` (the
+    tokens the loss used); per trajectory [B] `advantages`, `seq_kl` (D_i), `admitted`,
+    `num_action_tokens`; scalars `acceptance_rate` (admitted trajectories / B),
     `token_acceptance_rate`, `seq_kl_mean/max`, `token_kl_mean`, `ratio_mean/max/min`,
     `log_ratio_abs_mean`.
   """
@@ -222,7 +237,7 @@ def flash_reinforce_loss(logp, behavior_logp, rewards, action_mask, *, delta=3e-
 
 
 def flash_reinforce_loss_packed(logp, behavior_logp, action_mask, segment_ids, rewards,
-                                segment_valid, *, delta=3e-3, reduction="sample_mean",
+                                segment_valid, *, delta=DELTA, reduction="sample_mean",
                                 trust="sequence", advantage="batch_centered", stats=None):
   """FlashREINFORCE loss on packed arrays; same values and gradients as the padded form.
 
@@ -286,16 +301,12 @@ def _ppo_clip(layout, logp, old_logp, advantages_N, valid_N, action_mask, *, cli
     coef_N = jnp.full_like(T_N, 1.0) / jnp.maximum(stats.num_action_tokens, 1.0)
   loss = -(jnp.where(valid_N, coef_N, 0.0) * per_traj_N).sum()
 
-  r = jax.lax.stop_gradient(ratio)
-  clipped = mask & (((r > 1.0 + hi) & (A_tok > 0)) | ((r < 1.0 - clip_eps) & (A_tok < 0)))
-  n_tok = jnp.maximum(maskf.sum(), 1.0)
-  aux = {
-      "advantages": A_N,
-      "num_action_tokens": T_N,
-      "clip_fraction": clipped.astype(jnp.float32).sum() / n_tok,
-      "ratio_mean": jnp.where(mask, r, 0.0).sum() / n_tok,
-      "ratio_max": jnp.where(mask, r, -jnp.inf).max(),
-  }
+  # No gate: every valid trajectory's tokens are used; D_i is reported, not applied.
+  log_rho, rho, d, seq_kl_N = _token_terms(layout, jax.lax.stop_gradient(logp), old_logp, mask,
+                                           T_N)
+  aux = _aux(A_N, T_N, valid_N, mask, log_rho, rho, d, seq_kl_N, valid_N, mask)
+  clipped = mask & (((rho > 1.0 + hi) & (A_tok > 0)) | ((rho < 1.0 - clip_eps) & (A_tok < 0)))
+  aux["clip_fraction"] = clipped.astype(jnp.float32).sum() / jnp.maximum(maskf.sum(), 1.0)
   return loss, aux
 
 

@@ -66,7 +66,7 @@ def run() -> dict:
   # Heavy imports after flag checks, so usage errors are instant.
   import jax.numpy as jnp
 
-  from fr_jax.models import decoder, registry
+  from fr_jax.models import decoder, registry, scoring
   from fr_jax.models.hf_io import CheckpointError
   from fr_jax.rollout.embedded import EmbeddedEngine
   from fr_jax.rollout.engine import Request
@@ -84,7 +84,7 @@ def run() -> dict:
     x = jnp.asarray([ids], jnp.int32)
     pos = jnp.arange(len(ids))[None]
     h, _ = decoder.forward(m.params, cfg, x, pos)
-    logp, _ = decoder.score_hidden(m.params, cfg, h[:, :-1], x[:, 1:], t)
+    logp, _ = scoring.score_hidden(m.params, cfg, h[:, :-1], x[:, 1:], t)
     return {"model": FLAGS.model, "token_ids": ids,
             "logprobs": [None] + [float(v) for v in logp[0]]}
 

@@ -133,7 +133,7 @@ def test_real_rollout_logprobs_equal_learner_scoring():
   (so masks, packing's target frame and the engine agree token for token)."""
   import jax
 
-  from fr_jax.models import decoder
+  from fr_jax.models import scoring
   from fr_jax.packing import PackingSpec, pack
   from fr_jax.rollout.embedded import EmbeddedEngine
   m = registry.load("smollm2-135m-instruct")
@@ -146,7 +146,7 @@ def test_real_rollout_logprobs_equal_learner_scoring():
   for t in trajs:
     validate(t)
   (b,) = pack(trajs, PackingSpec(512, (2,), 4)).batches
-  lp, _ = jax.jit(lambda p: decoder.score_packed(p, m.config, b.tokens, b.targets, b.positions,
+  lp, _ = jax.jit(lambda p: scoring.score_packed(p, m.config, b.tokens, b.targets, b.positions,
                                                  b.segment_ids, 0.8))(m.params)
   lp = np.asarray(lp)
   np.testing.assert_allclose(lp[b.action_mask], b.behavior_logp[b.action_mask], atol=1e-4)

@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 
-from fr_jax.models import decoder, registry
+from fr_jax.models import decoder, registry, scoring
 from fr_jax.models.gguf_io import load_gguf, permute_rope, unpermute_rope
 
 
@@ -168,7 +168,7 @@ def test_generate_cli_json_contract(smol):
   # process (the CLI's --score_ids path is test_generate_cli_scores_tiny_model's).
   ids = np.asarray(out["prompt_token_ids"] + out["token_ids"])
   h, _ = decoder.forward(smol.params, smol.config, ids[None], np.arange(len(ids))[None])
-  logp, _ = decoder.score_hidden(smol.params, smol.config, h[:, :-1], ids[None, 1:])
+  logp, _ = scoring.score_hidden(smol.params, smol.config, h[:, :-1], ids[None, 1:])
   P = len(out["prompt_token_ids"])
   np.testing.assert_allclose(np.asarray(logp[0])[P - 1:], out["logprobs"], atol=1e-4)
 

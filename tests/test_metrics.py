@@ -56,13 +56,14 @@ def _independent_logp(params, cfg, t) -> np.ndarray:
   return logits[rows, tokens[P:]] - lse[rows]
 
 
-def test_learner_split_metrics_equal_a_numpy_recomputation(tmp_path):
-  model = registry.load("tiny-llama")
+def _shifted_batch(model):
+  """8 records whose behaviour log-probs are the model's own (independently scored), pushed
+  down by a per-record amount, so the records span both sides of the gate and of the ratio
+  band. Returns (records, learner log-probs, behaviour log-probs, action masks, per-token
+  Bernoulli KL), the last four per record over its completion tokens."""
   it = iter(synthetic.dataset(seed=3, vocab_size=256, max_len=100).to_iter_dataset())
   trajs = synthetic.take(it, 8)
   rng = np.random.default_rng(0)
-  # Behaviour log-probs: the model's own, pushed down by a per-record amount, so the
-  # records span both sides of the gate and of the ratio band.
   shift = [0.0, 0.0, 0.05, 0.2, 0.5, 1.0, 2.0, 4.0]
   lp = []
   for t, s in zip(trajs, shift):
@@ -75,6 +76,12 @@ def test_learner_split_metrics_equal_a_numpy_recomputation(tmp_path):
   blogp = [t.behavior_logp.astype(np.float64) for t in trajs]
   d = [np.array([bern_kl(math.exp(b), math.exp(a)) for a, b in zip(x[k], y[k])])
        for x, y, k in zip(lp, blogp, mask)]
+  return trajs, lp, blogp, mask, d
+
+
+def test_learner_split_metrics_equal_a_numpy_recomputation(tmp_path):
+  model = registry.load("tiny-llama")
+  trajs, lp, blogp, mask, d = _shifted_batch(model)
   D = np.array([di.mean() for di in d])
   delta = float(np.sqrt(np.sort(D)[3] * np.sort(D)[4]))  # half the records pass the gate
   learner = Learner(tiny_config(**{"objective.delta": delta, "log.dir": str(tmp_path)}),
@@ -120,3 +127,25 @@ def test_learner_split_metrics_equal_a_numpy_recomputation(tmp_path):
   (row,) = read_jsonl(tmp_path / "metrics.jsonl")
   assert row["mismatch/lag_0/abs_dlogp"] == pytest.approx(m["mismatch/lag_0/abs_dlogp"])
   assert row["gate/acceptance_len_q4"] == m["gate/acceptance_len_q4"]
+
+
+def test_token_trust_metrics_count_the_tokens_the_loss_admitted(tmp_path):
+  """Under trust="token" the gate admits tokens, not records: ess_fraction, admitted_tokens
+  and token_acceptance_rate are over exactly the tokens with d_it <= delta (NumPy, from an
+  independent scoring), not over the tokens of records with no gated token."""
+  model = registry.load("tiny-llama")
+  trajs, lp, blogp, mask, d = _shifted_batch(model)
+  delta = float(np.median(np.concatenate(d)))  # about half the tokens pass
+  learner = Learner(tiny_config(**{"objective.delta": delta, "objective.trust": "token",
+                                   "log.dir": str(tmp_path)}), model=model)
+  m = learner.update(trajs, lags=[0] * 8)
+  learner.close()
+  gate = [di <= delta for di in d]  # per record, over its action tokens
+  w = np.concatenate([np.exp(a - b)[k][g] for a, b, k, g in zip(lp, blogp, mask, gate)])
+  n_tok = sum(k.sum() for k in mask)
+  assert 0 < w.size < n_tok
+  assert m["ess_fraction"] == pytest.approx(w.sum() ** 2 / (w.size * (w ** 2).sum()), rel=1e-4)
+  assert m["admitted_tokens"] == w.size
+  assert m["token_acceptance_rate"] == pytest.approx(w.size / n_tok)
+  # A record counts as admitted when none of its action tokens was gated.
+  assert m["acceptance_rate"] == pytest.approx(np.mean([g.all() for g in gate]))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from scipy.special import log_softmax
 
-from fr_jax.models import decoder, registry, sampling
+from fr_jax.models import decoder, registry, sampling, scoring
 from fr_jax.models.config import ConfigError, from_hf_config, to_hf_config
 from fr_jax.models.decoder import Decoder
 from fr_jax.models.hf_io import CheckpointError, load_hf, save_hf
@@ -84,13 +84,13 @@ def test_scoring_equals_log_softmax(temperature):
   ref = np.take_along_axis(ref_all, ids[:, 1:, None], -1)[..., 0]
   ref_ent = -(np.exp(ref_all) * ref_all).sum(-1)
   for chunk in (None, 7):  # one chunk, and 40 tokens in padded chunks of 7
-    lp, ent = decoder.score_hidden(m.params, m.config, h, jnp.asarray(ids[:, 1:]), temperature,
+    lp, ent = scoring.score_hidden(m.params, m.config, h, jnp.asarray(ids[:, 1:]), temperature,
                                    chunk_size=chunk)
     np.testing.assert_allclose(lp, ref, atol=2e-5)
     np.testing.assert_allclose(ent, ref_ent, atol=2e-5)
   # Gradients through the chunked (rematerialised) path equal the one-chunk path.
   def total(h, chunk):
-    return decoder.score_hidden(m.params, m.config, h, jnp.asarray(ids[:, 1:]), temperature,
+    return scoring.score_hidden(m.params, m.config, h, jnp.asarray(ids[:, 1:]), temperature,
                                 chunk_size=chunk)[0].sum()
   np.testing.assert_allclose(jax.grad(total)(h, 7), jax.grad(total)(h, None), atol=1e-6)
 
@@ -101,7 +101,7 @@ def test_score_packed_matches_manual_shift():
   seq = rng.integers(0, 256, 12)
   ref = log_softmax(full_logits(m.params, m.config, seq[:-1]).astype(np.float64), -1)
   ref = np.take_along_axis(ref, seq[1:, None], -1)[:, 0]
-  lp, _ = decoder.score_packed(m.params, m.config, seq[None, :-1], seq[None, 1:],
+  lp, _ = scoring.score_packed(m.params, m.config, seq[None, :-1], seq[None, 1:],
                                np.arange(11)[None], np.ones((1, 11), np.int32), 1.0)
   np.testing.assert_allclose(lp[0], ref, atol=2e-5)
 

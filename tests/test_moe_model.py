@@ -15,7 +15,7 @@ import transformers
 from safetensors.numpy import load_file, save_file
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
-from fr_jax.models import decoder, registry
+from fr_jax.models import decoder, moe, registry
 from fr_jax.models.config import ModelConfig
 from fr_jax.models.gguf_io import check_gguf_exportable, load_gguf, save_gguf
 from fr_jax.models.hf_io import CheckpointError, export_hf, iter_hf_tensors, load_hf, save_hf
@@ -373,7 +373,7 @@ def test_replayed_routes_use_current_probabilities(case, impl):
   L = 9
   x = rng.standard_normal((1, L, cfg.hidden_size)).astype(np.float32)
   routes = np.argsort(rng.random((1, L, E)), -1)[..., :K]
-  block = jax.jit(decoder.moe_block, static_argnums=0)
+  block = jax.jit(moe.moe_block, static_argnums=0)
   y, r = block(cfg, jnp.asarray(x), mp, routes=jnp.asarray(routes))
   y = np.asarray(y)
 

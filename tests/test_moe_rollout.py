@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from fr_jax import envs
-from fr_jax.models import decoder, registry
+from fr_jax.models import decoder, registry, scoring
 from fr_jax.packing import PackingSpec, pack
 from fr_jax.rollout.agent import AgentConfig, AgentLoop
 from fr_jax.rollout.embedded import EmbeddedEngine
@@ -170,7 +170,7 @@ def test_replay_pins_the_recorded_experts_where_the_routers_moved(moe):
   moved = {**params, "moe": {**params["moe"], "router": params["moe"]["router"] + 2e-3 * noise}}
 
   def score(p, routes):
-    lp, _, r = decoder.score_packed(p, cfg, b.tokens, b.targets, b.positions, b.segment_ids,
+    lp, _, r = scoring.score_packed(p, cfg, b.tokens, b.targets, b.positions, b.segment_ids,
                                     routes=routes, routing_out=True)
     return np.asarray(lp), np.asarray(r.experts), np.asarray(r.drift)
 

@@ -55,9 +55,9 @@ def set_behaviour_logp(trajs, params, cfg, row_len, rng):
   scored on the packed batch (one compile)."""
   import jax
 
-  from fr_jax.models import decoder
+  from fr_jax.models import scoring
   from fr_jax.packing import PackingSpec, pack
-  score = jax.jit(lambda p, b: decoder.score_packed(p, cfg, b.tokens, b.targets, b.positions,
+  score = jax.jit(lambda p, b: scoring.score_packed(p, cfg, b.tokens, b.targets, b.positions,
                                                     b.segment_ids, 1.0)[0])
   for b in pack(trajs, PackingSpec(row_len, (8,), 64)).batches:
     lp = np.asarray(score(params, b))

@@ -79,7 +79,7 @@ def main(argv):
   import jax
   import jax.numpy as jnp
 
-  from fr_jax.models import decoder, registry
+  from fr_jax.models import registry, scoring
 
   B, T = F.batch, F.seq
   emit("machine", **machine())
@@ -107,7 +107,7 @@ def main(argv):
     c = cfg.replace(compute_dtype=compute)
 
     def loss_fn(params, c=c, remat=remat):
-      lp, _ = decoder.score_packed(params, c, tokens, targets, positions, None, 1.0,
+      lp, _ = scoring.score_packed(params, c, tokens, targets, positions, None, 1.0,
                                    remat=remat)
       return -lp.mean()
 

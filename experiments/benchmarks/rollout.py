@@ -65,12 +65,12 @@ def mismatch(m, reqs, outs):
   import jax.numpy as jnp
 
   from fr_jax import objective
-  from fr_jax.models import decoder
+  from fr_jax.models import decoder, scoring
   d, learner, behaviour = [], [], []
   for r, c in zip(reqs, outs):
     seq = np.asarray(list(r.prompt_ids) + list(c.token_ids))
     h, _ = decoder.forward(m.params, m.config, seq[None, :-1], np.arange(len(seq) - 1)[None])
-    lp, _ = decoder.score_hidden(m.params, m.config, h, jnp.asarray(seq[None, 1:]))
+    lp, _ = scoring.score_hidden(m.params, m.config, h, jnp.asarray(seq[None, 1:]))
     lp = np.asarray(lp)[0, len(r.prompt_ids) - 1:]
     learner.append(lp)
     behaviour.append(np.asarray(c.logprobs))

@@ -32,12 +32,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from fr_jax import objective as obj
 from fr_jax.envs.base import prompt_dataset
 from fr_jax.envs.digits import Digits
 from fr_jax.evaluate import evaluate
 from fr_jax.learner import config as lcfg
 from fr_jax.learner.learner import Learner
-from fr_jax.models import decoder, registry
+from fr_jax.models import decoder, registry, scoring
 from fr_jax.rollout.agent import AgentConfig, AgentLoop
 from fr_jax.rollout.embedded import EmbeddedEngine
 from fr_jax.trajectory import validate
@@ -70,7 +71,7 @@ class Setting:
   reduction: str = "sample_mean"
   trust: str = "sequence"
   advantage: str = "batch_centered"
-  delta: float = 3e-3
+  delta: float = obj.DELTA
   lr: float = 1e-3
   temperature: float = 1.0
   max_turns: int = 1
@@ -185,7 +186,7 @@ def _warm_start(setting: Setting, seed: int):
   opt = optax.adamw(setting.sft_lr, weight_decay=0.0)
 
   def loss_fn(p, x, y, m, pp):
-    logp, _ = decoder.score_packed(p, cfg, x, y, pp, (x > -1).astype(jnp.int32))
+    logp, _ = scoring.score_packed(p, cfg, x, y, pp, (x > -1).astype(jnp.int32))
     return -(logp * m).sum() / jnp.maximum(m.sum(), 1)
 
   @jax.jit
@@ -219,7 +220,7 @@ def copy_skill(cfg, params, tok, copy: Setting, n: int = 64) -> float:
   """Greedy accuracy on n copy-task test episodes that ended before the token limit."""
   env = copy.env()
   engine = EmbeddedEngine(cfg, params, tokenizer=tok, num_slots=n,
-                          max_len=copy.max_total_tokens + 1)
+                          max_len=copy.agent().engine_max_len)
   loop = AgentLoop(engine, tok, env, copy.agent(temperature=0.0))
   trajs, _ = loop.run([env.task("test", i) for i in range(n)], list(range(n)))
   done = [t for t in trajs if not t.truncated]
@@ -314,7 +315,7 @@ def run(s: Setting, seed: int, *, log: Callable[[str], None] | None = None) -> d
   learner = Learner(learner_config(s, seed), model=model)
   env = s.env()
   engine = EmbeddedEngine(cfg, model.params, tokenizer=tok, num_slots=64,
-                          max_len=s.max_total_tokens + 1)
+                          max_len=s.agent().engine_max_len)
   loop = AgentLoop(engine, tok, env, s.agent())
   start = _eval(s, cfg, model.params, tok)
   r = rl_loop(learner, engine, loop, env, updates=s.updates, lag=s.lag,

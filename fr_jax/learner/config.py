@@ -50,7 +50,7 @@ def default_config() -> ml_collections.ConfigDict:
   ))
   c.objective = ml_collections.ConfigDict(dict(
       loss="flash_reinforce",  # grpo, or sft (launch.sft sets it)
-      delta=3e-3,  # sequence trust bound; inf disables the gate
+      delta=obj.DELTA,  # sequence trust bound; inf disables the gate
       reduction="sample_mean",
       trust="sequence",
       advantage="batch_centered",

@@ -72,7 +72,9 @@ def learner_model_config(c: ml_collections.ConfigDict, model_config):
   """The model's config with the learner's dtypes and how-not-what choices applied."""
   return model_config.replace(param_dtype=c.model.param_dtype,
                               compute_dtype=c.model.compute_dtype,
-                              attention=c.model.attention, moe_impl=c.model.moe_impl)
+                              attention=c.model.attention, moe_impl=c.model.moe_impl,
+                              # meshlib.params_sharding splits expert stacks over this axis
+                              expert_shard_axis="fsdp")
 
 
 def state_shardings(params, optimizer, mesh):
@@ -123,7 +125,7 @@ def compile_update_from_shapes(config: ml_collections.ConfigDict, model_config, 
   rep = meshlib.replicated(mesh)
   stats = obj.BatchStats(*[jax.ShapeDtypeStruct((), jnp.float32, sharding=rep)] * 3)
   fn = _jit_update(step_config(c, model_config), optimizer, lr_schedule, shardings, mesh)
-  with jax.set_mesh(mesh):  # the decoder's per-shard paths read it (decoder._experts)
+  with jax.set_mesh(mesh):  # the model's per-shard paths read it (moe._experts)
     return fn.lower(state, None, batch, stats).compile(), mesh
 
 
@@ -250,7 +252,7 @@ class Learner:
       fn = self._jit_update if kind == "update" else self._jit_accumulate
 
       def compile_():
-        with jax.set_mesh(self.mesh):  # the decoder's per-shard paths read it (decoder._experts)
+        with jax.set_mesh(self.mesh):  # the model's per-shard paths read it (moe._experts)
           return fn.lower(*args).compile()
 
       t0 = time.perf_counter()
@@ -317,8 +319,7 @@ class Learner:
       flops += f
     m = {k: (bool(v) if k == "finite" else float(v)) for k, v in jax.device_get(m).items()}
     dt = time.perf_counter() - t0
-    m.update(self._split_metrics(trajs, lags, packed, jax.device_get(segments), reward_mean,
-                                 advantages))
+    m.update(self._split_metrics(trajs, lags, packed, jax.device_get(segments)))
     m.update(
         step_time_s=dt, tokens=packed.real_tokens, tokens_per_s=packed.real_tokens / dt,
         packing_efficiency=packed.efficiency, micro_batches=len(packed.batches),
@@ -337,7 +338,7 @@ class Learner:
       m["skipped_traj_ids"] = ids
     return m
 
-  def _split_metrics(self, trajs, lags, packed, segments, reward_mean, advantages) -> dict:
+  def _split_metrics(self, trajs, lags, packed, segments) -> dict:
     """`diagnostics.split_metrics` of the batch: each micro-batch's per-slot values [S]
     gathered back into record order (`traj_index`)."""
     B = len(trajs)
@@ -346,18 +347,12 @@ class Learner:
       slots = np.flatnonzero(b.segment_valid)
       for k in step.SEGMENT_VALUES:
         per[k][b.traj_index[slots]] = np.asarray(seg[k], np.float64)[slots]
-    rewards = np.array([t.reward for t in trajs], np.float64)
     o = self.config.objective
     routed = packed.batches[0].routes is not None
-    if advantages is not None:  # grpo: the group advantages
-      adv = np.asarray(advantages, np.float64)
-    elif o.loss == "flash_reinforce" and o.advantage == "batch_centered":
-      adv = rewards - reward_mean
-    else:  # positive_only (and sft, whose weight is 1)
-      adv = rewards if o.loss == "flash_reinforce" else np.ones(B)
     return diagnostics.split_metrics(
         lag_B=lags, action_tokens_B=[t.num_action_tokens for t in trajs],
-        response_len_B=[t.completion_tokens.shape[0] for t in trajs], advantage_B=adv,
+        response_len_B=[t.completion_tokens.shape[0] for t in trajs],
+        advantage_B=per["advantages"],  # the objective's own
         admitted_B=per["admitted"], seq_kl_B=per["seq_kl"],
         abs_dlogp_sum_B=per["abs_dlogp_sum"], token_kl_sum_B=per["token_kl_sum"],
         drift_sum_B=per["drift_sum"] if routed else None,

@@ -12,7 +12,8 @@
   follows the general rule (D for Qwen3-30B-A3B: 2048 > 128). This shards storage only:
   each layer's experts are all-gathered onto every device, as any FSDP weight is, and each
   device runs its own rows' tokens through them (the learner traces under `jax.set_mesh`, and
-  `decoder._experts` runs the grouped dispatch under shard_map; docs/scale.md, "Experts on
+  `moe._experts` runs the grouped dispatch under shard_map, gathering over the axis
+  `learner_model_config` names in `ModelConfig.expert_shard_axis`; docs/scale.md, "Experts on
   the mesh"). Expert parallelism proper (all-to-all token dispatch) is not built.
 * Per-trajectory slot arrays ([S]) are replicated: they are tiny.
 

@@ -8,15 +8,16 @@ gives exactly the one-pass gradient. The last micro-batch applies one optimizer 
 A batch whose loss or gradient norm is not finite applies nothing: the state is kept and
 `skipped` is incremented.
 
-Each micro-batch also returns per-trajectory values [S] (`SEGMENT_VALUES`: the gate's D_i
-and decision from the objective, the sums of |log pi - log mu| and of the Bernoulli KL over
-the action tokens, and, for an MoE model whose records carry routing, how many of them
-drifted: scored where the learner's own top-k is not the recorded set, and optionally the
-same sums scored the other way, with replay or without): the learner splits
-them on the host by what only the host knows per record (policy lag, response length,
-advantage sign; `fr_jax.learner.diagnostics`). The
-metrics' per-token ratio and KL are recomputed here from the same log-probs, for every loss
-(sft and grpo included); the objective's own copies are not passed out.
+Each micro-batch also returns per-trajectory values [S] (`SEGMENT_VALUES`: the advantage,
+the gate's D_i and decision, the sums of |log pi - log mu| and of the Bernoulli KL over the
+action tokens, and, for an MoE model whose records carry routing, how many of them drifted:
+scored where the learner's own top-k is not the recorded set, and optionally the same sums
+scored the other way, with replay or without): the learner splits them on the host by what
+only the host knows per record (policy lag, response length; `fr_jax.learner.diagnostics`).
+
+The objective owns every per-token and per-trajectory quantity (its `aux`: log-ratio, ratio,
+Bernoulli KL, admitted tokens and trajectories, advantages), for every loss; this step only
+sums them, so the metrics describe exactly the tokens the loss used.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 import optax
 
 from fr_jax import objective as obj
-from fr_jax.models import decoder
+from fr_jax.models import scoring
 from fr_jax.models.config import ModelConfig
 
 
@@ -42,23 +43,26 @@ class TrainState(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
-  """Everything static the update step closes over (hashable)."""
+  """Everything static the update step closes over (hashable).
+
+  Built from the learner config (`learner.step_config`), which owns every default.
+  """
 
   model: ModelConfig
-  loss: str = "flash_reinforce"  # grpo (batch.rewards then holds advantages) or sft
-  delta: float = 3e-3
-  reduction: str = "sample_mean"
-  trust: str = "sequence"
-  advantage: str = "batch_centered"
-  clip_eps: float = 0.2
-  clip_eps_high: float = 0.2
-  temperature: float = 1.0
-  remat: bool = True
-  replay: bool = False  # MoE: score with the batch's recorded experts (batch.routes)
-  router_aux_loss_coef: float = 0.0  # MoE: weight of the routers' load-balancing loss
+  loss: str  # flash_reinforce, grpo (batch.rewards then holds advantages) or sft
+  delta: float
+  reduction: str
+  trust: str
+  advantage: str
+  clip_eps: float
+  clip_eps_high: float
+  temperature: float
+  remat: bool
+  replay: bool  # MoE: score with the batch's recorded experts (batch.routes)
+  router_aux_loss_coef: float  # MoE: weight of the routers' load-balancing loss
   # MoE with recorded routing: also score the batch the other way (without replay when
   # replaying, with it when not), for the mismatch metrics of both (one more forward pass).
-  routing_counterfactual: bool = False
+  routing_counterfactual: bool
 
 
 def init_state(params, optimizer: optax.GradientTransformation) -> TrainState:
@@ -70,8 +74,8 @@ _SUMS = ("loss", "admitted", "trajectories", "tokens", "seq_kl_sum", "ratio_sum"
          "entropy_sum", "token_kl_sum", "ratio_outside", "admitted_tokens",
          "admitted_ratio_sum", "admitted_ratio_sq_sum", "drift_tokens", "router_balance")
 _MAXES = ("seq_kl_max", "ratio_max")
-SEGMENT_VALUES = ("seq_kl", "admitted", "abs_dlogp_sum", "token_kl_sum", "drift_sum",
-                  "other_abs_dlogp_sum", "other_token_kl_sum")
+SEGMENT_VALUES = ("advantages", "seq_kl", "admitted", "abs_dlogp_sum", "token_kl_sum",
+                  "drift_sum", "other_abs_dlogp_sum", "other_token_kl_sum")
 # Importance ratios outside [1/RATIO_BAND, RATIO_BAND] are counted (`ratio_outside_frac`).
 RATIO_BAND = 2.0
 
@@ -80,13 +84,10 @@ def _grads_and_sums(params, batch, stats: obj.BatchStats, sc: StepConfig):
   """Gradient, metric sums and per-trajectory values [S] of one micro-batch's share of the
   batch objective."""
 
-  routes = batch.routes if sc.replay else None
-  if sc.replay and routes is None:
-    raise ValueError("routing replay needs a batch packed with routes (records carrying "
-                     "routed_experts)")
+  routes = batch.routes if sc.replay else None  # the learner packs routes under replay
 
   def loss_fn(params):
-    logp, entropy, routing = decoder.score_packed(
+    logp, entropy, routing = scoring.score_packed(
         params, sc.model, batch.tokens, batch.targets, batch.positions, batch.segment_ids,
         sc.temperature, remat=sc.remat, routes=routes, routing_out=True)
     if sc.loss == "sft":
@@ -109,24 +110,16 @@ def _grads_and_sums(params, batch, stats: obj.BatchStats, sc: StepConfig):
           reduction=sc.reduction, stats=stats)
     if sc.router_aux_loss_coef:
       loss = loss + sc.router_aux_loss_coef * routing.balance
-    return loss, (aux, logp, entropy, routing)
+    return loss, (aux, entropy, routing)
 
-  (loss, (aux, logp, entropy, routing)), grads = jax.value_and_grad(loss_fn,
-                                                                    has_aux=True)(params)
+  (loss, (aux, entropy, routing)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
   mask = batch.action_mask
   valid = batch.segment_valid
   f32 = jnp.float32
   n_tok = mask.sum().astype(f32)
-  logp = jax.lax.stop_gradient(logp)
-  # A supervised target is the policy's own action: ratio 1, KL 0, every sequence admitted.
-  behavior = logp if sc.loss == "sft" else batch.behavior_logp
-  log_rho = jnp.where(mask, logp - behavior, 0.0)
-  rho = jnp.where(mask, jnp.exp(log_rho), 0.0)
-  seq_kl = aux.get("seq_kl", jnp.zeros(valid.shape, f32))
-  admitted = aux.get("admitted", valid) & valid
-  d = jnp.where(mask, obj.bernoulli_kl(behavior, logp), 0.0)
+  rho, d, token_admitted = aux["ratio"], aux["token_kl"], aux["token_admitted"]
+  seq_kl, admitted = aux["seq_kl"], aux["admitted"]
   S = valid.shape[0]
-  token_admitted = mask & jnp.concatenate([jnp.zeros((1,), bool), admitted])[batch.segment_ids]
   rho_admitted = jnp.where(token_admitted, rho, 0.0)
   outside = mask & ((rho > RATIO_BAND) | (rho < 1.0 / RATIO_BAND))
   # Routing drift: the positions scoring an action whose learner top-k (the current routers')
@@ -143,7 +136,7 @@ def _grads_and_sums(params, batch, stats: obj.BatchStats, sc: StepConfig):
       "admitted": admitted.sum().astype(f32),
       "trajectories": valid.sum().astype(f32),
       "tokens": n_tok,
-      "seq_kl_sum": jnp.where(valid, seq_kl, 0.0).sum(),
+      "seq_kl_sum": seq_kl.sum(),
       "ratio_sum": rho.sum(),
       "entropy_sum": jnp.where(mask, entropy, 0.0).sum(),
       "token_kl_sum": d.sum(),
@@ -154,19 +147,20 @@ def _grads_and_sums(params, batch, stats: obj.BatchStats, sc: StepConfig):
       "drift_tokens": drift.sum().astype(f32),
       "router_balance": routing.balance,
   }
-  maxes = {"seq_kl_max": jnp.where(valid, seq_kl, 0.0).max(), "ratio_max": rho.max()}
+  maxes = {"seq_kl_max": seq_kl.max(), "ratio_max": rho.max()}
   other_abs = other_kl = jnp.zeros(mask.shape, f32)
   if batch.routes is not None and sc.routing_counterfactual and sc.loss != "sft":
-    other, _ = decoder.score_packed(params, sc.model, batch.tokens, batch.targets,
+    other, _ = scoring.score_packed(params, sc.model, batch.tokens, batch.targets,
                                     batch.positions, batch.segment_ids, sc.temperature,
                                     routes=None if sc.replay else batch.routes)
     other = jax.lax.stop_gradient(other)
-    other_abs = jnp.where(mask, jnp.abs(other - behavior), 0.0)
-    other_kl = jnp.where(mask, obj.bernoulli_kl(behavior, other), 0.0)
+    other_abs = jnp.where(mask, jnp.abs(other - batch.behavior_logp), 0.0)
+    other_kl = jnp.where(mask, obj.bernoulli_kl(batch.behavior_logp, other), 0.0)
   segment = {
-      "seq_kl": jnp.where(valid, seq_kl, 0.0),
+      "advantages": aux["advantages"],
+      "seq_kl": seq_kl,
       "admitted": admitted,
-      "abs_dlogp_sum": obj.segment_sum(jnp.abs(log_rho), batch.segment_ids, S),
+      "abs_dlogp_sum": obj.segment_sum(jnp.abs(aux["log_ratio"]), batch.segment_ids, S),
       "token_kl_sum": obj.segment_sum(d, batch.segment_ids, S),
       "drift_sum": obj.segment_sum(drift.astype(f32), batch.segment_ids, S),
       "other_abs_dlogp_sum": obj.segment_sum(other_abs, batch.segment_ids, S),
@@ -227,6 +221,10 @@ def update(state: TrainState, acc: dict | None, batch, stats, *, sc: StepConfig,
       "ess_fraction": sums["admitted_ratio_sum"] ** 2
                       / jnp.maximum(sums["admitted_tokens"] * sums["admitted_ratio_sq_sum"],
                                     1e-30),
+      # The gate's tokens: all of them under sequence trust's admitted records, the tokens
+      # with d_it <= delta under token trust.
+      "admitted_tokens": sums["admitted_tokens"],
+      "token_acceptance_rate": sums["admitted_tokens"] / n_tok,
       "entropy": sums["entropy_sum"] / n_tok,
       "grad_norm": grad_norm,
       "lr": lr_schedule(state.step),

@@ -70,6 +70,8 @@ class ModelConfig:
   decoder_sparse_step: int = 1
   mlp_only_layers: tuple[int, ...] = ()
   moe_impl: str = "auto"  # auto | ragged | dense (MOE_IMPLS): how, not what
+  # The mesh axis the caller splits expert stacks over (None: not split); how, not what.
+  expert_shard_axis: str | None = None
 
   def __post_init__(self):
     if self.family not in FAMILIES:

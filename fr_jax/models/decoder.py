@@ -2,9 +2,8 @@
 
 RMSNorm, RoPE (with optional Llama-3 scaling), grouped-query attention, SwiGLU MLP, tied or
 untied embeddings; Qwen2 adds q/k/v biases, Qwen3 adds per-head RMSNorm on q and k. Qwen3-MoE
-replaces the MLP of its sparse layers (`ModelConfig.moe_layers`) by a mixture of experts: a
-router (softmax over E experts, top-k, optionally renormalised) and E SwiGLU experts, each
-token's output the router-weighted sum of its k experts' (see `moe_block`).
+replaces the MLP of its sparse layers (`ModelConfig.moe_layers`) by a mixture of experts
+(`fr_jax.models.moe`). The learner's scoring is `fr_jax.models.scoring`.
 
 The math is a set of pure functions over a nested dict of arrays (`params`), so hot paths
 jit them directly; `Decoder` is the Flax NNX module that owns those arrays (split/merge at
@@ -20,14 +19,10 @@ Forward modes (all the same `forward`):
   KV cache, attending to cache entries at positions <= the query's. Prefill is T = prompt
   length, decode is T = 1.
 
-Mixture of experts. The attention stack `params["layers"]` has every layer; an MoE model keeps
-its sparse layers' weights in `params["moe"]` (router [n, D, E], experts_gate/up [n, E, D, F],
-experts_down [n, E, F, D]) and the MLPs of its dense layers, if any, in `params["mlp"]`, each
-stacked over its own layers. Packed forwards can replay routing: `routes` [B, L, n, k] names the
-experts every position uses in every sparse layer (rollout routing replay), and the gate
-weights are the current router's probabilities of those experts (renormalised over them when
-`norm_topk_prob`), so the router keeps learning. `routing_out=True` also returns what the
-routing did (`Routing`).
+Mixture of experts: `params["layers"]` holds every layer's attention, `params["moe"]` the sparse
+layers' routers [n, D, E] and experts (`moe.moe_shapes`), `params["mlp"]` the MLPs of an MoE
+model's dense layers, if any, each stacked over its own layers. Packed forwards can replay
+routing (`routes`, rollout routing replay) and return what it did (`routing_out`).
 
 Dtype policy: parameters are stored in `param_dtype`; matmul inputs are cast to
 `compute_dtype` and accumulate in float32; the residual stream, norms, softmax and logits are
@@ -36,7 +31,7 @@ float32.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +39,7 @@ from flax import nnx
 
 from fr_jax.models.attention import attend, attend_cache, packed_visibility
 from fr_jax.models.config import ModelConfig
+from fr_jax.models.moe import assemble_routing, moe_block, moe_shapes, stack_layer
 
 Params = dict[str, Any]
 F32 = jnp.float32
@@ -77,13 +73,6 @@ def mlp_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
   if cfg.mlp_bias:
     shapes.update(b_gate=(F,), b_up=(F,), b_down=(D,))
   return shapes
-
-
-def moe_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-  """A sparse layer's router and stacked experts."""
-  D, E, F = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
-  return {"router": (D, E), "experts_gate": (E, D, F), "experts_up": (E, D, F),
-          "experts_down": (E, F, D)}
 
 
 def param_shapes(cfg: ModelConfig) -> Params:
@@ -250,115 +239,6 @@ def _mlp(cfg: ModelConfig, x, lp):
   return dense(jax.nn.silu(g) * u, lp["w_down"], lp.get("b_down"), cd)
 
 
-class LayerRouting(NamedTuple):
-  """What one sparse layer's router did, over a [B, L] block of positions."""
-
-  experts: jax.Array  # int32 [B, L, k]: the experts each position used
-  drift: jax.Array  # bool [B, L]: the router's own top-k is not the replayed set
-  counts: jax.Array  # f32 [E]: selections of each expert by valid positions
-  prob_sum: jax.Array  # f32 [E]: router probability of each expert summed over valid positions
-
-
-def _experts_dense(cfg: ModelConfig, x, mp, idx, w):
-  """Every expert on every position, unselected ones weighted by zero: the reference path."""
-  cd = jnp.dtype(cfg.compute_dtype)
-  xc = x.astype(cd)
-  g = jnp.einsum("bld,edf->blef", xc, mp["experts_gate"].astype(cd), preferred_element_type=F32)
-  u = jnp.einsum("bld,edf->blef", xc, mp["experts_up"].astype(cd), preferred_element_type=F32)
-  y = jnp.einsum("blef,efd->bled", (jax.nn.silu(g) * u).astype(cd),
-                 mp["experts_down"].astype(cd), preferred_element_type=F32)
-  combine = jnp.sum(jax.nn.one_hot(idx, cfg.num_experts, dtype=F32) * w[..., None], axis=-2)
-  return jnp.einsum("ble,bled->bld", combine, y)
-
-
-def _experts_ragged(cfg: ModelConfig, x, mp, idx, w):
-  """Each (position, chosen expert) pair once: the pairs are sorted by expert and every
-  expert multiplies its contiguous group (`jax.lax.ragged_dot`), then the outputs go back to
-  their positions and are summed with the gate weights."""
-  cd = jnp.dtype(cfg.compute_dtype)
-  B, L, D = x.shape
-  k = idx.shape[-1]
-  flat = idx.reshape(-1)
-  order = jnp.argsort(flat, stable=True)
-  xs = x.reshape(-1, D)[order // k].astype(cd)
-  sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
-
-  def grouped(lhs, w):
-    return jax.lax.ragged_dot(lhs, w.astype(cd), sizes, preferred_element_type=F32)
-
-  a = jax.nn.silu(grouped(xs, mp["experts_gate"])) * grouped(xs, mp["experts_up"])
-  ys = grouped(a.astype(cd), mp["experts_down"])
-  y = ys[jnp.argsort(order)].reshape(B, L, k, D)
-  return jnp.einsum("blkd,blk->bld", y, w)
-
-
-EXPERT_WEIGHTS = ("experts_gate", "experts_up", "experts_down")
-
-
-def _experts(cfg: ModelConfig, x, mp, idx, w):
-  """The experts' weighted output [B, L, D] for positions x [B, L, D] choosing idx [B, L, k]
-  with gate weights w [B, L, k], on the path `cfg.moe_impl` picks.
-
-  Under a device mesh (the learner traces its update inside `jax.set_mesh`), the grouped path
-  runs per shard (`jax.shard_map` over the rows, split over every mesh axis as the learner's
-  batches are): each device sorts and runs only its own rows' tokens, with the layer's
-  experts gathered whole onto it as any FSDP weight is (all-gathered over `fsdp` when the
-  learner splits them on the expert axis, `fr_jax.learner.mesh`, so their gradient comes back
-  reduce-scattered). Left to GSPMD, the sort over all positions would gather every device's
-  tokens onto every device and run all of them there (docs/scale.md, "Experts on the
-  mesh")."""
-  impl = "ragged" if cfg.moe_impl == "auto" else cfg.moe_impl
-  fn = _experts_ragged if impl == "ragged" else _experts_dense
-  mesh = jax.sharding.get_abstract_mesh()
-  if impl != "ragged" or mesh.empty or mesh.size == 1 or x.shape[0] % mesh.size:
-    return fn(cfg, x, mp, idx, w)
-  P = jax.sharding.PartitionSpec
-  rows = P(tuple(mesh.axis_names))
-  experts = {k: mp[k] for k in EXPERT_WEIGHTS}
-  split = "fsdp" in mesh.axis_names and cfg.num_experts % mesh.shape["fsdp"] == 0
-
-  def local(x, idx, w, experts):
-    if split:
-      cd = jnp.dtype(cfg.compute_dtype)  # gathered in the matmuls' dtype: half the bytes in bf16
-      experts = {k: jax.lax.all_gather(v.astype(cd), "fsdp", axis=0, tiled=True)
-                 for k, v in experts.items()}
-    return fn(cfg, x, experts, idx, w)
-
-  return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, P("fsdp") if split else P()),
-                       out_specs=rows, check_vma=False)(x, idx, w, experts)
-
-
-def moe_block(cfg: ModelConfig, x, mp, routes=None, valid=None):
-  """A sparse layer's feed-forward on normed inputs x [B, L, D] -> (y [B, L, D],
-  LayerRouting).
-
-  The router's probabilities are softmax(x @ router) over all E experts (float32). Without
-  `routes` each position takes its top-k experts, weighted by their probabilities; with
-  `routes` [B, L, k] (rollout routing replay) it takes exactly those experts, weighted by the
-  current router's probabilities of them. With `norm_topk_prob` the k weights are
-  renormalised to sum to 1 either way. `valid` [B, L] (default all) marks the positions the
-  load-balancing statistics count.
-  """
-  cd = jnp.dtype(cfg.compute_dtype)
-  k = cfg.num_experts_per_tok
-  probs = jax.nn.softmax(dense(x, mp["router"], None, cd), axis=-1)
-  own_w, own = jax.lax.top_k(probs, k)
-  if routes is None:
-    idx, w = own, own_w
-    drift = jnp.zeros(x.shape[:2], bool)
-  else:
-    idx = routes.astype(jnp.int32)
-    w = jnp.take_along_axis(probs, idx, axis=-1)
-    drift = jnp.any(jnp.sort(own, axis=-1) != jnp.sort(idx, axis=-1), axis=-1)
-  if cfg.norm_topk_prob:
-    w = w / jnp.sum(w, axis=-1, keepdims=True)
-  y = _experts(cfg, x, mp, idx, w)
-  vf = jnp.ones(x.shape[:2], F32) if valid is None else valid.astype(F32)
-  counts = jnp.zeros((cfg.num_experts,), F32).at[idx.reshape(-1)].add(
-      jnp.repeat(vf.reshape(-1), k))
-  prob_sum = jnp.einsum("ble,bl->e", probs, vf)
-  return y, LayerRouting(idx, drift, counts, prob_sum)
-
 
 def _layer(cfg: ModelConfig, h, lp, cos, sin, vis, cache_kv, cache_start, window=None,
            routes=None, valid=None):
@@ -371,37 +251,6 @@ def _layer(cfg: ModelConfig, h, lp, cos, sin, vis, cache_kv, cache_start, window
     y, r = _mlp(cfg, x, lp), None
   return h + y, cache_kv, r
 
-
-class Routing(NamedTuple):
-  """What the routers of all sparse layers did in one forward (`forward(routing_out=True)`)."""
-
-  experts: jax.Array  # int32 [B, L, sparse layers, k]: the experts each position used
-  drift: jax.Array  # bool [B, L]: in some sparse layer, the router's own top-k differs from
-  #                   the replayed experts (all False without replay)
-  balance: jax.Array  # f32 []: the load-balancing loss over valid positions (below)
-
-
-def _routing(cfg: ModelConfig, per_layer: list, shape) -> Routing:
-  """Assembles per-run LayerRouting (each stacked over its layers, leading axis) into one
-  Routing. balance is HF Qwen3-MoE's (Switch Transformer's) auxiliary loss, with all sparse
-  layers' positions pooled: E * sum_e f_e * P_e, f_e the fraction of (position, layer, slot)
-  selections that went to expert e (times k), P_e the mean router probability of e."""
-  B, L = shape
-  if not per_layer:
-    return Routing(jnp.zeros((B, L, 0, 0), jnp.int32), jnp.zeros((B, L), bool),
-                   jnp.zeros((), F32))
-  experts = jnp.concatenate([r.experts for r in per_layer], axis=0)  # [n, B, L, k]
-  drift = jnp.any(jnp.concatenate([r.drift for r in per_layer], axis=0), axis=0)
-  counts = sum(r.counts.sum(0) for r in per_layer)
-  prob_sum = sum(r.prob_sum.sum(0) for r in per_layer)
-  rows = jnp.maximum(prob_sum.sum(), 1e-9)  # = valid positions x sparse layers
-  balance = cfg.num_experts * jnp.sum(counts * prob_sum) / (rows * rows)
-  return Routing(jnp.moveaxis(experts, 0, 2), drift, balance)
-
-
-def _stack_layer(r: LayerRouting | None):
-  """One layer's routing with a leading axis of 1 (the unrolled paths)."""
-  return None if r is None else jax.tree.map(lambda a: a[None], r)
 
 
 def forward(params: Params, cfg: ModelConfig, tokens, positions, segment_ids=None, *,
@@ -434,10 +283,10 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, segment_ids=Non
       h, (ks[i], vs[i]), r = _layer(cfg, h, lp, cos, sin, positions, (ks[i], vs[i]), start,
                                     window)
       if r is not None:
-        per.append(_stack_layer(r))
+        per.append(stack_layer(r))
     h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
     out = (h, {"k": tuple(ks), "v": tuple(vs)})
-    return (*out, _routing(cfg, per, shape)) if routing_out else out
+    return (*out, assemble_routing(cfg, per, shape)) if routing_out else out
 
   seg = jnp.ones_like(tokens) if segment_ids is None else jnp.asarray(segment_ids)
   vis = packed_visibility(seg)
@@ -463,7 +312,7 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, segment_ids=Non
         rt, j = routes[j], j + 1
       h, r = body(h, (lp, rt))
       if r is not None:
-        per.append(_stack_layer(r))
+        per.append(stack_layer(r))
   else:
     for stack, (a, b), (c, d) in _runs(cfg):
       lp = _slice(params["layers"], a, b, cfg.num_layers)
@@ -474,7 +323,7 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, segment_ids=Non
       if r is not None:
         per.append(r)
   h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
-  return (h, None, _routing(cfg, per, shape)) if routing_out else (h, None)
+  return (h, None, assemble_routing(cfg, per, shape)) if routing_out else (h, None)
 
 
 def _slice(tree, a, b, n):
@@ -514,63 +363,6 @@ def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> dict:
   B, H, hd = batch, cfg.num_kv_heads, cfg.head_dim
   return {"k": tuple(jnp.zeros((B, H, hd, length), dtype) for _ in range(cfg.num_layers)),
           "v": tuple(jnp.zeros((B, H, length, hd), dtype) for _ in range(cfg.num_layers))}
-
-
-# --- scoring: what the learner needs --------------------------------------------------------
-
-def _score_chunk(w, cd, temperature, h, t):
-  z = jnp.einsum("nd,vd->nv", h.astype(cd), w.astype(cd), preferred_element_type=F32)
-  z = z / temperature
-  lse = jax.nn.logsumexp(z, axis=-1)
-  logp = jnp.take_along_axis(z, t[:, None], axis=-1)[:, 0] - lse
-  p = jnp.exp(z - lse[:, None])
-  entropy = lse - jnp.sum(p * z, axis=-1)
-  return logp, entropy
-
-
-LOGITS_BUDGET = 2**27  # float32 logits held at once by scoring (512 MiB)
-
-
-def score_hidden(params: Params, cfg: ModelConfig, hidden, targets, temperature=1.0,
-                 chunk_size: int | str | None = "auto"):
-  """Log-probs of `targets` under softmax(logits / temperature), and the entropy of that
-  distribution, from hidden states [..., D] and targets [...]. Returns float32 [...] each.
-
-  With chunking, logits are built `chunk_size` tokens at a time and recomputed in the
-  backward pass, so the [tokens, vocab] matrix never exists whole. "auto" chunks only when
-  the whole matrix would exceed LOGITS_BUDGET elements; None never chunks.
-  """
-  if chunk_size == "auto":
-    chunk_size = max(256, LOGITS_BUDGET // cfg.vocab_size)
-  if not isinstance(temperature, jax.Array) and temperature <= 0:
-    raise ValueError(f"temperature={temperature}: scoring needs temperature > 0")
-  cd = jnp.dtype(cfg.compute_dtype)
-  w = unembed(params)
-  lead = targets.shape
-  h = hidden.reshape(-1, hidden.shape[-1])
-  t = targets.reshape(-1)
-  N = h.shape[0]
-  if chunk_size is None or N <= chunk_size:
-    logp, ent = _score_chunk(w, cd, temperature, h, t)
-    return logp.reshape(lead), ent.reshape(lead)
-  n_chunks = -(-N // chunk_size)
-  pad = n_chunks * chunk_size - N
-  h = jnp.pad(h, ((0, pad), (0, 0))).reshape(n_chunks, chunk_size, -1)
-  t = jnp.pad(t, (0, pad)).reshape(n_chunks, chunk_size)
-  fn = jax.checkpoint(lambda xs: _score_chunk(w, cd, temperature, *xs))
-  logp, ent = jax.lax.map(fn, (h, t))
-  return logp.reshape(-1)[:N].reshape(lead), ent.reshape(-1)[:N].reshape(lead)
-
-
-def score_packed(params: Params, cfg: ModelConfig, tokens, targets, positions, segment_ids,
-                 temperature=1.0, *, remat=False, chunk_size: int | str | None = "auto",
-                 routes=None, routing_out: bool = False):
-  """Learner scoring on a packed batch: (logp, entropy), each float32 [R, L]; with
-  `routing_out`, (logp, entropy, Routing). `routes`: replayed experts (see `forward`)."""
-  h, _, routing = forward(params, cfg, tokens, positions, segment_ids, remat=remat,
-                          routes=routes, routing_out=True)
-  logp, ent = score_hidden(params, cfg, h, jnp.asarray(targets), temperature, chunk_size)
-  return (logp, ent, routing) if routing_out else (logp, ent)
 
 
 # --- the NNX module ----------------------------------------------------------------------------

@@ -1,0 +1,169 @@
+"""Qwen3-MoE's mixture of experts: a sparse layer's feed-forward (`moe_block`: a router, top-k
+of E SwiGLU experts, or the replayed ones) and what the routers did (`LayerRouting` per layer,
+pooled by `assemble_routing` into one `Routing` with the load-balancing loss).
+
+`ModelConfig.moe_impl` picks how the experts run. Under a device mesh they run per shard,
+gathered over the mesh axis the caller names (`ModelConfig.expert_shard_axis`); model code
+names no mesh axis. `fr_jax.models.decoder` holds the weights and calls this module.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from fr_jax.models.config import ModelConfig
+
+F32 = jnp.float32
+
+
+def moe_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+  """A sparse layer's router and stacked experts."""
+  D, E, F = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+  return {"router": (D, E), "experts_gate": (E, D, F), "experts_up": (E, D, F),
+          "experts_down": (E, F, D)}
+
+
+class LayerRouting(NamedTuple):
+  """What one sparse layer's router did, over a [B, L] block of positions."""
+
+  experts: jax.Array  # int32 [B, L, k]: the experts each position used
+  drift: jax.Array  # bool [B, L]: the router's own top-k is not the replayed set
+  counts: jax.Array  # f32 [E]: selections of each expert by valid positions
+  prob_sum: jax.Array  # f32 [E]: router probability of each expert summed over valid positions
+
+
+def _experts_dense(cfg: ModelConfig, x, mp, idx, w):
+  """Every expert on every position, unselected ones weighted by zero: the reference path."""
+  cd = jnp.dtype(cfg.compute_dtype)
+  xc = x.astype(cd)
+  g = jnp.einsum("bld,edf->blef", xc, mp["experts_gate"].astype(cd), preferred_element_type=F32)
+  u = jnp.einsum("bld,edf->blef", xc, mp["experts_up"].astype(cd), preferred_element_type=F32)
+  y = jnp.einsum("blef,efd->bled", (jax.nn.silu(g) * u).astype(cd),
+                 mp["experts_down"].astype(cd), preferred_element_type=F32)
+  combine = jnp.sum(jax.nn.one_hot(idx, cfg.num_experts, dtype=F32) * w[..., None], axis=-2)
+  return jnp.einsum("ble,bled->bld", combine, y)
+
+
+def _experts_ragged(cfg: ModelConfig, x, mp, idx, w):
+  """Each (position, chosen expert) pair once: the pairs are sorted by expert and every
+  expert multiplies its contiguous group (`jax.lax.ragged_dot`), then the outputs go back to
+  their positions and are summed with the gate weights."""
+  cd = jnp.dtype(cfg.compute_dtype)
+  B, L, D = x.shape
+  k = idx.shape[-1]
+  flat = idx.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  xs = x.reshape(-1, D)[order // k].astype(cd)
+  sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
+
+  def grouped(lhs, w):
+    return jax.lax.ragged_dot(lhs, w.astype(cd), sizes, preferred_element_type=F32)
+
+  a = jax.nn.silu(grouped(xs, mp["experts_gate"])) * grouped(xs, mp["experts_up"])
+  ys = grouped(a.astype(cd), mp["experts_down"])
+  y = ys[jnp.argsort(order)].reshape(B, L, k, D)
+  return jnp.einsum("blkd,blk->bld", y, w)
+
+
+EXPERT_WEIGHTS = ("experts_gate", "experts_up", "experts_down")
+
+
+def _experts(cfg: ModelConfig, x, mp, idx, w):
+  """The experts' weighted output [B, L, D] for positions x [B, L, D] choosing idx [B, L, k]
+  with gate weights w [B, L, k], on the path `cfg.moe_impl` picks.
+
+  Under a device mesh (the learner traces inside `jax.set_mesh`) the grouped path runs under
+  `jax.shard_map` over the rows, split over every mesh axis as the learner's batches are: each
+  device sorts and runs only its own rows' tokens, with the layer's experts all-gathered onto
+  it over `cfg.expert_shard_axis` when the caller splits them there on the expert axis (their
+  gradient comes back reduce-scattered). Left to GSPMD, the sort over all positions would
+  gather every device's tokens onto every device (docs/scale.md, "Experts on the mesh")."""
+  impl = "ragged" if cfg.moe_impl == "auto" else cfg.moe_impl
+  fn = _experts_ragged if impl == "ragged" else _experts_dense
+  mesh = jax.sharding.get_abstract_mesh()
+  if impl != "ragged" or mesh.empty or mesh.size == 1 or x.shape[0] % mesh.size:
+    return fn(cfg, x, mp, idx, w)
+  P = jax.sharding.PartitionSpec
+  rows = P(tuple(mesh.axis_names))
+  experts = {k: mp[k] for k in EXPERT_WEIGHTS}
+  axis = cfg.expert_shard_axis
+  split = axis in mesh.axis_names and cfg.num_experts % mesh.shape[axis] == 0
+
+  def local(x, idx, w, experts):
+    if split:
+      cd = jnp.dtype(cfg.compute_dtype)  # gathered in the matmuls' dtype: half the bytes in bf16
+      experts = {k: jax.lax.all_gather(v.astype(cd), axis, axis=0, tiled=True)
+                 for k, v in experts.items()}
+    return fn(cfg, x, experts, idx, w)
+
+  return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, P(axis) if split else P()),
+                       out_specs=rows, check_vma=False)(x, idx, w, experts)
+
+
+def moe_block(cfg: ModelConfig, x, mp, routes=None, valid=None):
+  """A sparse layer's feed-forward on normed inputs x [B, L, D] -> (y [B, L, D],
+  LayerRouting).
+
+  The router's probabilities are softmax(x @ router) over all E experts (float32). Without
+  `routes` each position takes its top-k experts, weighted by their probabilities; with
+  `routes` [B, L, k] (rollout routing replay) it takes exactly those experts, weighted by the
+  current router's probabilities of them. With `norm_topk_prob` the k weights are
+  renormalised to sum to 1 either way. `valid` [B, L] (default all) marks the positions the
+  load-balancing statistics count.
+  """
+  cd = jnp.dtype(cfg.compute_dtype)
+  k = cfg.num_experts_per_tok
+  z = jnp.einsum("...d,de->...e", x.astype(cd), mp["router"].astype(cd),
+                 preferred_element_type=F32)
+  probs = jax.nn.softmax(z, axis=-1)
+  own_w, own = jax.lax.top_k(probs, k)
+  if routes is None:
+    idx, w = own, own_w
+    drift = jnp.zeros(x.shape[:2], bool)
+  else:
+    idx = routes.astype(jnp.int32)
+    w = jnp.take_along_axis(probs, idx, axis=-1)
+    drift = jnp.any(jnp.sort(own, axis=-1) != jnp.sort(idx, axis=-1), axis=-1)
+  if cfg.norm_topk_prob:
+    w = w / jnp.sum(w, axis=-1, keepdims=True)
+  y = _experts(cfg, x, mp, idx, w)
+  vf = jnp.ones(x.shape[:2], F32) if valid is None else valid.astype(F32)
+  counts = jnp.zeros((cfg.num_experts,), F32).at[idx.reshape(-1)].add(
+      jnp.repeat(vf.reshape(-1), k))
+  prob_sum = jnp.einsum("ble,bl->e", probs, vf)
+  return y, LayerRouting(idx, drift, counts, prob_sum)
+
+
+class Routing(NamedTuple):
+  """What the routers of all sparse layers did in one forward (`forward(routing_out=True)`)."""
+
+  experts: jax.Array  # int32 [B, L, sparse layers, k]: the experts each position used
+  drift: jax.Array  # bool [B, L]: in some sparse layer, the router's own top-k differs from
+  #                   the replayed experts (all False without replay)
+  balance: jax.Array  # f32 []: the load-balancing loss over valid positions (below)
+
+
+def assemble_routing(cfg: ModelConfig, per_layer: list, shape) -> Routing:
+  """Assembles per-run LayerRouting (each stacked over its layers, leading axis) into one
+  Routing. balance is HF Qwen3-MoE's (Switch Transformer's) auxiliary loss, with all sparse
+  layers' positions pooled: E * sum_e f_e * P_e, f_e the fraction of (position, layer, slot)
+  selections that went to expert e (times k), P_e the mean router probability of e."""
+  B, L = shape
+  if not per_layer:
+    return Routing(jnp.zeros((B, L, 0, 0), jnp.int32), jnp.zeros((B, L), bool),
+                   jnp.zeros((), F32))
+  experts = jnp.concatenate([r.experts for r in per_layer], axis=0)  # [n, B, L, k]
+  drift = jnp.any(jnp.concatenate([r.drift for r in per_layer], axis=0), axis=0)
+  counts = sum(r.counts.sum(0) for r in per_layer)
+  prob_sum = sum(r.prob_sum.sum(0) for r in per_layer)
+  rows = jnp.maximum(prob_sum.sum(), 1e-9)  # = valid positions x sparse layers
+  balance = cfg.num_experts * jnp.sum(counts * prob_sum) / (rows * rows)
+  return Routing(jnp.moveaxis(experts, 0, 2), drift, balance)
+
+
+def stack_layer(r: LayerRouting | None):
+  """One layer's routing with a leading axis of 1 (the unrolled paths)."""
+  return None if r is None else jax.tree.map(lambda a: a[None], r)

@@ -40,7 +40,7 @@ def evaluate(model_config, params, tokenizer, env, agent: AgentConfig, *, n: int
   cfg = AgentConfig(**{**agent.__dict__, "temperature": 0.0 if greedy else temperature})
   if engine is None:
     engine = EmbeddedEngine(model_config, params, tokenizer=tokenizer,
-                            num_slots=min(num_slots, n), max_len=cfg.max_total_tokens + 1)
+                            num_slots=min(num_slots, n), max_len=cfg.engine_max_len)
   loop = AgentLoop(engine, tokenizer, env, cfg)
   scores = np.zeros((samples, n))
   trajs = []

@@ -127,22 +127,16 @@ def pack(trajs: Sequence[Trajectory], spec: PackingSpec,
   """Packs `trajs` into as few bucket-shaped micro-batches as first-fit-decreasing allows.
 
   Micro-batches hold `spec.max_rows` rows each, except the last, which takes the smallest
-  bucket that holds the remaining rows. Raises `PackingError` for a trajectory longer than
-  a row. `traj_index` of each slot indexes into `trajs`. `routing` = (sparse layers, k) packs
-  every record's `routed_experts` into `routes` (each must carry them, [length - 1, layers,
-  k]: admission checked); None leaves `routes` None.
+  bucket that holds the remaining rows. The records were admitted: `trajectory.validate`
+  against the learner's `record_limits` (at most `spec.max_trajectory_length` tokens, a
+  prompt and an action) is length's one check. `traj_index` of each slot indexes into
+  `trajs`. `routing` = (sparse layers, k) packs every record's `routed_experts` into `routes`
+  (each must carry them, [length - 1, layers, k]: admission checked); None leaves `routes`
+  None.
   """
   if not trajs:
     raise PackingError("cannot pack an empty list of trajectories")
   lengths = [t.length - 1 for t in trajs]
-  for t, n in zip(trajs, lengths):
-    if n > spec.row_len:
-      raise PackingError(
-          f"trajectory {t.traj_id!r} has {t.length} tokens (prompt + completion); the largest "
-          f"bucket fits {spec.max_trajectory_length} (row_len={spec.row_len}). Raise row_len or "
-          "lower the rollout's max tokens.")
-    if n < 1:
-      raise PackingError(f"trajectory {t.traj_id!r} has {t.length} token(s); it needs >= 2")
   rows = first_fit_decreasing(lengths, spec.row_len, spec.max_segments_per_row)
   batches = []
   for start in range(0, len(rows), spec.max_rows):

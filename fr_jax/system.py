@@ -89,7 +89,7 @@ def build_engine(c: ml_collections.ConfigDict, model, params=None, version: int 
   from fr_jax.rollout.embedded import EmbeddedEngine
   return EmbeddedEngine(model.config, model.params if params is None else params,
                         tokenizer=model.tokenizer, num_slots=c.rollout.num_slots,
-                        max_len=c.agent.max_total_tokens + 1, version=version)
+                        max_len=agent_config(c).engine_max_len, version=version)
 
 
 def require_tokenizer(c: ml_collections.ConfigDict, model) -> None:

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from fr_jax import objective as obj
 from fr_jax.packing import PackingError, PackingSpec, first_fit_decreasing, pack
-from fr_jax.trajectory import Trajectory
+from fr_jax.trajectory import Trajectory, TrajectoryError, validate
 
 
 def make_trajs(rng, n, max_prompt=12, max_completion=30, reward_levels=2):
@@ -128,13 +128,18 @@ def test_microbatches_use_the_smallest_bucket_for_the_tail():
   assert [b.shape[0] for b in packed.batches] == [4, 1]
 
 
-def test_too_long_is_refused_with_length_and_limit():
+def test_a_row_holds_max_trajectory_length_and_validation_refuses_longer():
+  """Length has one check, admission's (`trajectory.validate` against the learner's
+  `max_length`, which is the spec's `max_trajectory_length`); packing trusts it."""
   rng = np.random.default_rng(2)
   t = make_trajs(rng, 1)[0]
-  spec = PackingSpec(row_len=t.length - 2, row_buckets=(1,))
-  with pytest.raises(PackingError, match=f"has {t.length} tokens.*fits {t.length - 1}"):
-    pack([t], spec)
-  pack([t], PackingSpec(row_len=t.length - 1, row_buckets=(1,)))  # n tokens fit n-1
+  fits = PackingSpec(row_len=t.length - 1, row_buckets=(1,))  # n tokens fit a row of n-1
+  assert fits.max_trajectory_length == t.length
+  (b,) = pack([t], fits).batches
+  assert b.segment_ids.max() == 1 and (b.segment_ids > 0).sum() == t.length - 1
+  short = PackingSpec(row_len=t.length - 2, row_buckets=(1,))
+  with pytest.raises(TrajectoryError, match=f"length {t.length} .* maximum {t.length - 1}"):
+    validate(t, max_length=short.max_trajectory_length)
 
 
 def test_bad_spec():

@@ -117,7 +117,7 @@ def run(s: LMSetting, seed: int, *, log: Callable[[str], None] | None = None) ->
   agent = system.agent_config(c)
   learner = Learner(c, model=model)
   engine = EmbeddedEngine(model.config, model.params, tokenizer=model.tokenizer,
-                          num_slots=c.rollout.num_slots, max_len=c.agent.max_total_tokens + 1)
+                          num_slots=c.rollout.num_slots, max_len=agent.engine_max_len)
   loop = AgentLoop(engine, model.tokenizer, env, agent)
   r = driver.rl_loop(learner, engine, loop, env, updates=s.updates, lag=s.lag,
                      batch_size=s.batch_size, seed=seed,

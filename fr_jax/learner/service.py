@@ -83,13 +83,11 @@ class LearnerService(Recovery):
     self.controller = controller
     self.inflight = controller.value if controller else int(inflight)
     # Records are validated once, here, with one length limit: the run's (the agent's
-    # max_total_tokens), which config validation keeps within what a packed row holds, or
+    # max_total_tokens, which config validation keeps within what a packed row holds), or
     # else the row's. The learner's update takes them as they are.
     limits = learner.record_limits
-    if max_length is not None and max_length > limits["max_length"]:
-      raise ValueError(f"max_length={max_length} exceeds what a packed row holds "
-                       f"({limits['max_length']}); raise packing.row_len")
-    self.limits = dict(limits, max_length=max_length or limits["max_length"])
+    self.limits = dict(limits, max_length=min(max_length or limits["max_length"],
+                                              limits["max_length"]))
     self._taken_lag: dict[str, int] = {}  # traj_id -> policy lag when the batch was taken
     self.encode, self.decode = encode, decode
     self._lock = threading.Lock()  # counters and the workers table

@@ -54,6 +54,13 @@ class AgentConfig:
   # record (`Trajectory.routed_experts`), for the learner's routing replay.
   record_routing: bool = False
 
+  @property
+  def engine_max_len(self) -> int:
+    """The embedded engine's positions per sequence (`EmbeddedEngine(max_len=...)`) for this
+    agent's trajectories of up to max_total_tokens: one more, since the engine keeps a free
+    position past every prompt it takes."""
+    return self.max_total_tokens + 1
+
 
 def parse_tool_call(text: str) -> tuple[str | None, str | None]:
   """(code, error) from a model turn: code if it holds a well-formed python call, an error
@@ -169,11 +176,10 @@ class AgentLoop:
   def advance(self, ep: Episode, c: Completion) -> None:
     """Appends a model turn and what follows it (tool result / observation / the end)."""
     # A request aborted before it ran has no tokens and no routing to add.
+    # Routing rows are kept as the engine gave them. A record whose rows do not add up goes
+    # without routing (`trajectory`, below), and admission's check (`trajectory.validate`, the
+    # one owner) refuses it under replay as missing_routing.
     if self.cfg.record_routing and c.routed_experts is not None and c.token_ids:
-      want = ep.length + len(c.token_ids) - 1 - ep.routed
-      if c.routed_experts.shape[0] != want:
-        raise ValueError(f"request {c.request_id!r}: the engine reported routing for "
-                         f"{c.routed_experts.shape[0]} positions; {want} were asked for")
       ep.routes.append(c.routed_experts)
     self._append(ep, c.token_ids, action=True, logp=c.logprobs, versions=c.versions)
     ep.turns += 1

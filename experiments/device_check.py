@@ -113,7 +113,7 @@ def write_peer_fixtures(out: Path):
 def section_env(ctx):
   import jax
 
-  from fr_jax.learner.learner import measure_peak_flops
+  from fr_jax.learner.compile import measure_peak_flops
   n = 512 if F.dry else 8192
   ctx["peak"] = {d: measure_peak_flops(d, n=n, repeats=10) for d in ("float32", "bfloat16")}
   dev = jax.devices()[0]

@@ -130,7 +130,7 @@ _OOM = (re.compile(r"\(([\d.]+)([KMGT])\)\s+exceeds available HBM\s+\(([\d.]+)([
 
 def check(c, topology: str, rows_per_device: int = 0, mfu: float = 0.4) -> dict:
   """Compiles config `c`'s update for `topology`; returns the figures (see module doc)."""
-  from fr_jax.learner.learner import compile_update_from_shapes
+  from fr_jax.learner.compile import compile_update_from_shapes
   devices = tpu_devices(topology)
   t = TOPOLOGIES[topology]
   n = len(devices)

@@ -109,11 +109,12 @@ def follow(c):
   """A process other than 0: the same learner, making the calls process 0 announces."""
   import jax
 
+  from fr_jax.learner import multihost
   from fr_jax.learner.learner import Learner
   learner = Learner(c, model=common.load_model(c))
   print(f"learner process {jax.process_index()} of {jax.process_count()} following "
         "process 0", flush=True)
-  learner.follow()
+  multihost.follow(learner)
   common.print_json({"process": jax.process_index(), "version": learner.version})
 
 

@@ -53,14 +53,14 @@ def run(workdir: str, until: int, fsdp: int = 4) -> dict:
 
   import numpy as np
 
-  from fr_jax.learner import synthetic
+  from fr_jax.learner import multihost, synthetic
   from fr_jax.learner.learner import Learner
   from fr_jax.learner.service import LearnerService
   from fr_jax.transport import codec
 
   learner = Learner(config(workdir, fsdp))
   if not learner.is_leader:
-    learner.follow()
+    multihost.follow(learner)
     return {}
   service = LearnerService(learner, queue_capacity=4 * B, publish_every=1,
                            encode=codec.encode_record, decode=codec.decode_record)

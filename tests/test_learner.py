@@ -61,7 +61,7 @@ def test_update_compiled_from_shapes_is_the_learners_own():
   """compile_update_from_shapes (what a config too large for this machine needs per device)
   builds the program the Learner runs: same per-device memory and FLOPs as the executable
   the Learner compiled for a real batch of the same shape, on the same 2 x 4 mesh."""
-  from fr_jax.learner.learner import compile_update_from_shapes
+  from fr_jax.learner.compile import compile_update_from_shapes
   c = tiny_config(**{"mesh.data": 2, "mesh.fsdp": 4})
   L = Learner(c)
   L.update(batches(1)[0])

@@ -203,7 +203,8 @@ def main(argv):
   import jax
 
   from fr_jax.learner import config as lcfg
-  from fr_jax.learner.learner import Learner, measure_peak_flops
+  from fr_jax.learner.compile import measure_peak_flops
+  from fr_jax.learner.learner import Learner
   from fr_jax.models import registry
 
   emit("machine", **machine())

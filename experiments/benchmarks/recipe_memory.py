@@ -37,7 +37,7 @@ def main(argv):
   import importlib
   import time
 
-  from fr_jax.learner.learner import compile_update_from_shapes
+  from fr_jax.learner.compile import compile_update_from_shapes
   from fr_jax.models.registry import shape_config
   emit = emitter("recipe_memory")
   emit("machine", **machine())

@@ -67,3 +67,27 @@ def split_metrics(*, lag_B, action_tokens_B, response_len_B, advantage_B, admitt
     if sel.any():
       out[f"gate/acceptance_adv_{name}"] = float(admitted[sel].mean())
   return out
+
+
+def record_metrics(trajs, lags_B, packed, segments, *, counterfactual: bool,
+                   replay: bool) -> dict:
+  """`split_metrics` of one update's batch: each micro-batch's per-slot values [S]
+  (`step.SEGMENT_VALUES`, host arrays) gathered back into record order (`traj_index`).
+  `counterfactual`: the step scored the batch the other way too (`routing_counterfactual`)."""
+  B = len(trajs)
+  per = {k: np.zeros(B, np.float64) for k in segments[0]}
+  for b, seg in zip(packed.batches, segments):
+    slots = np.flatnonzero(b.segment_valid)
+    for k, v in seg.items():
+      per[k][b.traj_index[slots]] = np.asarray(v, np.float64)[slots]
+  routed = packed.batches[0].routes is not None
+  return split_metrics(
+      lag_B=lags_B, action_tokens_B=[t.num_action_tokens for t in trajs],
+      response_len_B=[t.completion_tokens.shape[0] for t in trajs],
+      advantage_B=per["advantages"],  # the objective's own
+      admitted_B=per["admitted"], seq_kl_B=per["seq_kl"],
+      abs_dlogp_sum_B=per["abs_dlogp_sum"], token_kl_sum_B=per["token_kl_sum"],
+      drift_sum_B=per["drift_sum"] if routed else None,
+      other_B=(per["other_abs_dlogp_sum"], per["other_token_kl_sum"])
+      if routed and counterfactual else None,
+      replay=replay)

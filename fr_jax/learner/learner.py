@@ -10,11 +10,14 @@ the MFU figure counts its model FLOPs analytically (`ModelConfig.train_flops`).
 A step whose loss or gradient is not finite applies nothing (the step's guard); its records
 are reported in `skipped_traj_ids`, and `find_offenders` names the ones responsible by
 bisection, without touching the state.
+
+Around it: `compile` builds the step config and jitted update (and compiles them from shapes
+alone for the fit checks), `quarantine` holds the offender search, `diagnostics` splits the
+step's per-record values, and `multihost` makes the collective calls and follows process 0.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import time
@@ -28,125 +31,18 @@ import optax
 
 from fr_jax import objective as obj
 from fr_jax.learner import checkpoint as ckpt
+from fr_jax.learner import compile as compiling
 from fr_jax.learner import config as lcfg
-from fr_jax.learner import diagnostics, multihost, optim, step
+from fr_jax.learner import diagnostics, multihost, optim, quarantine, step
 from fr_jax.learner import mesh as meshlib
 from fr_jax.learner.metrics import MetricsWriter
 from fr_jax.learner.programs import PROGRAMS
-from fr_jax.models import decoder, registry
+from fr_jax.models import registry
 from fr_jax.models.hf_io import export_hf
 from fr_jax.packing import PackingSpec, pack
 from fr_jax.trajectory import Trajectory
 
 log = logging.getLogger("fr_jax.learner")
-
-
-def measure_peak_flops(dtype: str = "float32", n: int = 2048, repeats: int = 5) -> float:
-  """FLOP/s of a jitted n x n matmul on the default device (f32 accumulation)."""
-  dt = jnp.dtype(dtype)
-  a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dt)
-  f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
-  f(a, a).block_until_ready()
-  ts = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    f(a, a).block_until_ready()
-    ts.append(time.perf_counter() - t0)
-  return 2 * n**3 / float(np.median(ts))
-
-
-def step_config(c: ml_collections.ConfigDict, model_config) -> step.StepConfig:
-  o = c.objective
-  moe = model_config.is_moe
-  return step.StepConfig(
-      model=model_config, loss=o.loss, delta=float(o.delta), reduction=o.reduction,
-      trust=o.trust, advantage=o.advantage, clip_eps=float(o.clip_eps),
-      clip_eps_high=float(o.clip_eps_high), temperature=float(o.temperature),
-      # Supervised data (launch.sft) was not sampled by an engine: nothing to replay.
-      remat=bool(c.model.remat), replay=moe and bool(c.routing_replay) and o.loss != "sft",
-      router_aux_loss_coef=float(o.router_aux_loss_coef) if moe else 0.0,
-      routing_counterfactual=moe and bool(c.log.routing_counterfactual))
-
-
-def learner_model_config(c: ml_collections.ConfigDict, model_config):
-  """The model's config with the learner's dtypes and how-not-what choices applied."""
-  return model_config.replace(param_dtype=c.model.param_dtype,
-                              compute_dtype=c.model.compute_dtype,
-                              attention=c.model.attention, moe_impl=c.model.moe_impl,
-                              # meshlib.params_sharding splits expert stacks over this axis
-                              expert_shard_axis="fsdp")
-
-
-def state_shardings(params, optimizer, mesh):
-  """The train state's shardings: every array (parameters and the optimizer's moments alike)
-  split over fsdp as its parameter is (`mesh.params_sharding`), scalars replicated."""
-  return meshlib.params_sharding(
-      jax.eval_shape(lambda p: step.init_state(p, optimizer), params), mesh)
-
-
-def _jit_update(sc, optimizer, lr_schedule, state_shardings, mesh):
-  return jax.jit(
-      lambda s, a, b, st: step.update(s, a, b, st, sc=sc, optimizer=optimizer,
-                                      lr_schedule=lr_schedule),
-      donate_argnums=(0,),
-      out_shardings=(state_shardings, meshlib.replicated(mesh), meshlib.replicated(mesh)))
-
-
-def compile_update_from_shapes(config: ml_collections.ConfigDict, model_config, rows: int,
-                               devices=None):
-  """The learner's update step compiled for a micro-batch of `rows` packed rows of
-  `packing.row_len` tokens, on the config's mesh, from shapes alone: no parameter or optimizer
-  state is materialised, so a config far larger than this machine's memory compiles. The
-  executable's `memory_analysis()` is per device. Returns (executable, mesh)."""
-  c = lcfg.ensure_valid(config)
-  model_config = learner_model_config(c, model_config)
-  mesh = meshlib.make_mesh(c.mesh.data, c.mesh.fsdp, devices)
-  optimizer, lr_schedule = optim.make_optimizer(c.optim), optim.schedule(c.optim)
-  dtype = jnp.dtype(c.model.param_dtype)
-  shapes = jax.eval_shape(lambda: decoder.init_params(model_config, jax.random.key(0)))
-  shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, dtype), shapes)
-  params = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-                        shapes, meshlib.params_sharding(shapes, mesh))
-  shardings = state_shardings(params, optimizer, mesh)
-  state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-                       jax.eval_shape(lambda p: step.init_state(p, optimizer), params),
-                       shardings)
-  # The batch's shapes and dtypes are packing's own: one tiny trajectory packed into `rows`.
-  tiny = Trajectory("shape", np.zeros(1, np.int32), np.zeros(1, np.int32), np.ones(1, bool),
-                    np.zeros(1, np.float32), 0.0, 0)
-  routing = None
-  if model_config.is_moe:
-    routing = model_config.routing_shape
-    tiny.routed_experts = np.zeros((1, *routing), model_config.routing_dtype)
-  (b,) = pack([tiny], PackingSpec(c.packing.row_len, (rows,),
-                                  c.packing.max_segments_per_row), routing).batches
-  batch = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), b,
-                       meshlib.batch_sharding(b, mesh))
-  rep = meshlib.replicated(mesh)
-  stats = obj.BatchStats(*[jax.ShapeDtypeStruct((), jnp.float32, sharding=rep)] * 3)
-  fn = _jit_update(step_config(c, model_config), optimizer, lr_schedule, shardings, mesh)
-  with jax.set_mesh(mesh):  # the model's per-shard paths read it (moe._experts)
-    return fn.lower(state, None, batch, stats).compile(), mesh
-
-
-def _collective(method):
-  """A learner call that every process of a multi-process learner makes: process 0
-  announces it (`multihost.Group.announce`) before making it; the others make it in
-  `Learner.follow`. Only the calls `multihost.CALLS` lists (with their argument checks) are
-  ever made by a follower."""
-  if method.__name__ not in multihost.CALLS:
-    raise TypeError(f"{method.__name__} is not in multihost.CALLS")
-
-  @functools.wraps(method)
-  def call(self, *args, **kwargs):
-    if self.group is not None and self.group.leader:
-      trajs = args[0] if args and isinstance(args[0], (list, tuple)) else None
-      if trajs is None and args:
-        raise TypeError(f"{method.__name__}: pass arguments other than trajectories by name")
-      self.group.announce(method.__name__, trajs, kwargs)
-    return method(self, *args, **kwargs)
-
-  return call
 
 
 class Learner:
@@ -163,9 +59,8 @@ class Learner:
     c = self.config
     self.group = group if group is not None else multihost.group()
     if model is None:
-      model = registry.load(c.model.name, param_dtype=c.model.param_dtype,
-                            compute_dtype=c.model.compute_dtype, seed=c.model.seed)
-    self.model_config = learner_model_config(c, model.config)
+      model = registry.load_configured(c.model)
+    self.model_config = compiling.learner_model_config(c, model.config)
     self.tokenizer = model.tokenizer
     self.mesh = meshlib.make_mesh(c.mesh.data, c.mesh.fsdp, devices)
     self.spec = PackingSpec(c.packing.row_len, tuple(c.packing.row_buckets),
@@ -176,11 +71,11 @@ class Learner:
     # A copy: updates donate the state's buffers, which must never alias the caller's model.
     params = jax.tree.map(lambda a: jnp.array(a, dtype, copy=True), model.params)
     params = meshlib.put(params, meshlib.params_sharding(params, self.mesh))
-    self._state_shardings = state_shardings(params, self.optimizer, self.mesh)
+    self._state_shardings = compiling.state_shardings(params, self.optimizer, self.mesh)
     self.state = jax.jit(lambda p: step.init_state(p, self.optimizer),
                          out_shardings=self._state_shardings)(params)
-    self.step_config = step_config(c, self.model_config)
-    self._jit_update = _jit_update(self.step_config, self.optimizer, self.lr_schedule,
+    self.step_config = compiling.step_config(c, self.model_config)
+    self._jit_update = compiling.jit_update(self.step_config, self.optimizer, self.lr_schedule,
                                    self._state_shardings, self.mesh)
     # The per-trajectory values come back replicated, as the update's metrics do: every
     # process of a multi-process learner reads them whole (a value sharded across processes
@@ -200,7 +95,7 @@ class Learner:
                                            async_save=c.checkpoint.async_save)
                          if c.checkpoint.dir else None)
     self.writer = MetricsWriter(c.log.dir if self.is_leader else "")
-    self._peak = float(c.log.peak_flops) or measure_peak_flops(c.model.compute_dtype)
+    self._peak = float(c.log.peak_flops) or compiling.measure_peak_flops(c.model.compute_dtype)
     self._jit_finite = jax.jit(lambda acc: jnp.isfinite(acc["sums"]["loss"]) &
                                jnp.isfinite(optax.tree.norm(acc["grads"])))
     self._last_saved = -1
@@ -319,7 +214,10 @@ class Learner:
       flops += f
     m = {k: (bool(v) if k == "finite" else float(v)) for k, v in jax.device_get(m).items()}
     dt = time.perf_counter() - t0
-    m.update(self._split_metrics(trajs, lags, packed, jax.device_get(segments)))
+    o = self.config.objective
+    m.update(diagnostics.record_metrics(
+        trajs, lags, packed, jax.device_get(segments), replay=self.step_config.replay,
+        counterfactual=self.step_config.routing_counterfactual and o.loss != "sft"))
     m.update(
         step_time_s=dt, tokens=packed.real_tokens, tokens_per_s=packed.real_tokens / dt,
         packing_efficiency=packed.efficiency, micro_batches=len(packed.batches),
@@ -338,28 +236,6 @@ class Learner:
       m["skipped_traj_ids"] = ids
     return m
 
-  def _split_metrics(self, trajs, lags, packed, segments) -> dict:
-    """`diagnostics.split_metrics` of the batch: each micro-batch's per-slot values [S]
-    gathered back into record order (`traj_index`)."""
-    B = len(trajs)
-    per = {k: np.zeros(B, np.float64) for k in step.SEGMENT_VALUES}
-    for b, seg in zip(packed.batches, segments):
-      slots = np.flatnonzero(b.segment_valid)
-      for k in step.SEGMENT_VALUES:
-        per[k][b.traj_index[slots]] = np.asarray(seg[k], np.float64)[slots]
-    o = self.config.objective
-    routed = packed.batches[0].routes is not None
-    return diagnostics.split_metrics(
-        lag_B=lags, action_tokens_B=[t.num_action_tokens for t in trajs],
-        response_len_B=[t.completion_tokens.shape[0] for t in trajs],
-        advantage_B=per["advantages"],  # the objective's own
-        admitted_B=per["admitted"], seq_kl_B=per["seq_kl"],
-        abs_dlogp_sum_B=per["abs_dlogp_sum"], token_kl_sum_B=per["token_kl_sum"],
-        drift_sum_B=per["drift_sum"] if routed else None,
-        other_B=(per["other_abs_dlogp_sum"], per["other_token_kl_sum"])
-        if routed and self.step_config.routing_counterfactual and o.loss != "sft" else None,
-        replay=self.step_config.replay)
-
   def objective_finite(self, trajs: Sequence[Trajectory]) -> bool:
     """Whether the one-batch objective on `trajs` alone (with their own B, mean reward and
     token count) has a finite loss and gradient. Applies nothing."""
@@ -372,34 +248,17 @@ class Learner:
       acc, _ = exe(self.state.params, acc, db, stats)
     return bool(self._jit_finite(acc))
 
-  @_collective
+  @multihost.collective
   def find_offenders(self, trajs: Sequence[Trajectory]) -> list[int]:
     """Indices of a smallest set of records whose removal makes the batch's objective finite
-    (what is left is scored with its own normalisers, as the next update would be). Found by
-    bisection over removals, about 2 log2(B) probes per offender; empty if the batch is
-    finite now. A record alone may well be finite (a huge reward alone has advantage 0), so
-    the probes always remove records, never test them on their own."""
+    (`quarantine.minimal_offenders`); empty if the batch is finite now."""
     def finite_without(removed: set) -> bool:
       rest = [t for i, t in enumerate(trajs) if i not in removed]
       return not rest or self.objective_finite(rest)
 
-    def minimize(cands: list[int], base: set) -> list[int]:
-      # finite_without(base | cands) holds; finite_without(base) does not.
-      if len(cands) == 1:
-        return cands
-      left, right = cands[:len(cands) // 2], cands[len(cands) // 2:]
-      if finite_without(base | set(left)):
-        return minimize(left, base)
-      if finite_without(base | set(right)):
-        return minimize(right, base)
-      found = minimize(left, base | set(right))  # offenders on both sides
-      return found + minimize(right, base | set(found))
+    return quarantine.minimal_offenders(len(trajs), finite_without)
 
-    if not trajs or finite_without(set()):
-      return []
-    return minimize(list(range(len(trajs))), set())
-
-  @_collective
+  @multihost.collective
   def update(self, trajs: Sequence[Trajectory], *, lags: Sequence[int] | None = None,
              log_ids: bool = True) -> dict:
     """One fresh batch of admitted records (checked by `trajectory.validate` against
@@ -444,7 +303,7 @@ class Learner:
                    if isinstance(a, jax.Array))
 
   # --- checkpoints and export ---
-  @_collective
+  @multihost.collective
   def save(self, data_state=None, *, force: bool = False, extra: dict | None = None) -> bool:
     """Saves (asynchronously) every `checkpoint.every` versions, or now with force=True."""
     if self.checkpointer is None:
@@ -461,7 +320,7 @@ class Learner:
             "skipped": int(self.state.skipped), "extra": extra or {}}
     return self.checkpointer.save(v, state, meta, force=force)
 
-  @_collective
+  @multihost.collective
   def restore(self, step_: int | None = None) -> dict | None:
     """Restores the latest checkpoint if there is one; returns its meta (with data_state).
     The metric rows of updates past the restored version (or of all, with no checkpoint)
@@ -474,7 +333,7 @@ class Learner:
     self.writer.forget_after(self.version)
     return meta
 
-  @_collective
+  @multihost.collective
   def snapshot_params(self):
     """A copy of the current parameters that the next update cannot donate: on device
     where this process holds them all, else gathered to host memory (on every process)."""
@@ -490,24 +349,7 @@ class Learner:
     params = jax.device_get(self.state.params if params is None else params)
     return str(export_hf(path, params, self.model_config, self.tokenizer))
 
-  def follow(self) -> None:
-    """On a process other than 0: makes each learner call process 0 announces, until it
-    closes."""
-    assert self.group is not None and not self.group.leader
-    while True:
-      method, trajs, kwargs = self.group.receive()
-      log.debug("following %s", method)
-      try:
-        getattr(self, method)(*([] if trajs is None else [trajs]), **kwargs)
-      except Exception as e:  # noqa: BLE001 -- as process 0's service does with an update
-        if method != "update" or not self.state_intact():
-          raise
-        # Process 0 raised the same (the same code on the same batch) and dead-letters it.
-        log.error("update raised on its batch (%s: %s); following on", type(e).__name__, e)
-      if method == "close":
-        return
-
-  @_collective
+  @multihost.collective
   def close(self):
     if self.checkpointer is not None:
       self.checkpointer.close()

@@ -7,7 +7,7 @@ server, admission, the queue, the admission log, the metric files. Before every 
 that touches the global state (`update`, `find_offenders`, `save`, `restore`,
 `snapshot_params`, `close`), process 0 announces it through the coordinator's key-value
 store: the method name, its trajectories in the wire codec and its other arguments as JSON.
-The other processes wait in `Learner.follow`, decode the call and make it. Each process then
+The other processes wait in `follow`, decode the call and make it. Each process then
 packs the same batch (packing is deterministic) and places on its own devices only its own
 rows of it (`mesh.put`), so no process moves another's data.
 
@@ -37,6 +37,7 @@ paper recipe's 256 x 1 k-token batches). The store holds `KEEP` of them.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
@@ -77,7 +78,7 @@ def _int_list(v):
 
 
 # The learner calls a follower makes, each with its argument checks and whether it carries
-# trajectories (`learner._collective` refuses to wrap a method not listed here).
+# trajectories (`collective` refuses to wrap a method not listed here).
 CALLS = {
     "update": ({"lags": _int_list, "log_ids": lambda v: type(v) is bool}, True),
     "find_offenders": ({}, True),
@@ -265,3 +266,39 @@ def group() -> Group | None:
   """This process's group when JAX runs several processes, else None."""
   return Group() if jax.process_count() > 1 else None
 
+
+def collective(method):
+  """A learner method that every process of a multi-process learner calls: process 0
+  announces it (`Group.announce`) before making it; the others make it in `follow`. Only the
+  calls `CALLS` lists (with their argument checks) are ever made by a follower."""
+  if method.__name__ not in CALLS:
+    raise TypeError(f"{method.__name__} is not in multihost.CALLS")
+
+  @functools.wraps(method)
+  def call(self, *args, **kwargs):
+    if self.group is not None and self.group.leader:
+      trajs = args[0] if args and isinstance(args[0], (list, tuple)) else None
+      if trajs is None and args:
+        raise TypeError(f"{method.__name__}: pass arguments other than trajectories by name")
+      self.group.announce(method.__name__, trajs, kwargs)
+    return method(self, *args, **kwargs)
+
+  return call
+
+
+def follow(learner) -> None:
+  """On a process other than 0: makes each learner call process 0 announces, until it
+  closes."""
+  assert learner.group is not None and not learner.group.leader
+  while True:
+    method, trajs, kwargs = learner.group.receive()
+    log.debug("following %s", method)
+    try:
+      getattr(learner, method)(*([] if trajs is None else [trajs]), **kwargs)
+    except Exception as e:  # noqa: BLE001 -- as process 0's service does with an update
+      if method != "update" or not learner.state_intact():
+        raise
+      # Process 0 raised the same (the same code on the same batch) and dead-letters it.
+      log.error("update raised on its batch (%s: %s); following on", type(e).__name__, e)
+    if method == "close":
+      return

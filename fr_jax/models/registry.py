@@ -193,6 +193,12 @@ def describe(name: str = DEFAULT_MODEL) -> ModelInfo:
   return ModelInfo(cfg, tok, None)
 
 
+def load_configured(mc) -> LoadedModel:
+  """The model a run config's `model` section names (`name`, `param_dtype`, `compute_dtype`,
+  `seed`): how the learner and every launch load it."""
+  return load(mc.name, param_dtype=mc.param_dtype, compute_dtype=mc.compute_dtype, seed=mc.seed)
+
+
 def load(name: str = DEFAULT_MODEL, *, param_dtype: str = "float32",
          compute_dtype: str = "float32", seed: int = 0) -> LoadedModel:
   """Loads a named model or a checkpoint path (see the module docstring)."""

@@ -1,0 +1,114 @@
+"""The learner's update step compiled: from a config and a model, and from shapes alone.
+
+`compile_update_from_shapes` lowers and compiles the update for a config far larger than this
+machine (no parameter or optimizer state is materialised): `launch.compile_check`, the recipe
+memory benchmark and the device check read its `memory_analysis()`. The `Learner` builds its
+step config, model config, state shardings and jitted update with the same functions, so what
+is checked is what runs. `measure_peak_flops` is the MFU denominator when `log.peak_flops` is
+unset.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from fr_jax import objective as obj
+from fr_jax.learner import config as lcfg
+from fr_jax.learner import mesh as meshlib
+from fr_jax.learner import optim, step
+from fr_jax.models import decoder
+from fr_jax.packing import PackingSpec, pack
+from fr_jax.trajectory import Trajectory
+
+
+def measure_peak_flops(dtype: str = "float32", n: int = 2048, repeats: int = 5) -> float:
+  """FLOP/s of a jitted n x n matmul on the default device (f32 accumulation)."""
+  dt = jnp.dtype(dtype)
+  a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dt)
+  f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+  f(a, a).block_until_ready()
+  ts = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    f(a, a).block_until_ready()
+    ts.append(time.perf_counter() - t0)
+  return 2 * n**3 / float(np.median(ts))
+
+
+def step_config(c: ml_collections.ConfigDict, model_config) -> step.StepConfig:
+  o = c.objective
+  moe = model_config.is_moe
+  return step.StepConfig(
+      model=model_config, loss=o.loss, delta=float(o.delta), reduction=o.reduction,
+      trust=o.trust, advantage=o.advantage, clip_eps=float(o.clip_eps),
+      clip_eps_high=float(o.clip_eps_high), temperature=float(o.temperature),
+      # Supervised data (launch.sft) was not sampled by an engine: nothing to replay.
+      remat=bool(c.model.remat), replay=moe and bool(c.routing_replay) and o.loss != "sft",
+      router_aux_loss_coef=float(o.router_aux_loss_coef) if moe else 0.0,
+      routing_counterfactual=moe and bool(c.log.routing_counterfactual))
+
+
+def learner_model_config(c: ml_collections.ConfigDict, model_config):
+  """The model's config with the learner's dtypes and how-not-what choices applied."""
+  return model_config.replace(param_dtype=c.model.param_dtype,
+                              compute_dtype=c.model.compute_dtype,
+                              attention=c.model.attention, moe_impl=c.model.moe_impl,
+                              # meshlib.params_sharding splits expert stacks over this axis
+                              expert_shard_axis="fsdp" if model_config.is_moe else None)
+
+
+def state_shardings(params, optimizer, mesh):
+  """The train state's shardings: every array (parameters and the optimizer's moments alike)
+  split over fsdp as its parameter is (`mesh.params_sharding`), scalars replicated."""
+  return meshlib.params_sharding(
+      jax.eval_shape(lambda p: step.init_state(p, optimizer), params), mesh)
+
+
+def jit_update(sc, optimizer, lr_schedule, state_shardings, mesh):
+  return jax.jit(
+      lambda s, a, b, st: step.update(s, a, b, st, sc=sc, optimizer=optimizer,
+                                      lr_schedule=lr_schedule),
+      donate_argnums=(0,),
+      out_shardings=(state_shardings, meshlib.replicated(mesh), meshlib.replicated(mesh)))
+
+
+def compile_update_from_shapes(config: ml_collections.ConfigDict, model_config, rows: int,
+                               devices=None):
+  """The learner's update step compiled for a micro-batch of `rows` packed rows of
+  `packing.row_len` tokens, on the config's mesh, from shapes alone: no parameter or optimizer
+  state is materialised, so a config far larger than this machine's memory compiles. The
+  executable's `memory_analysis()` is per device. Returns (executable, mesh)."""
+  c = lcfg.ensure_valid(config)
+  model_config = learner_model_config(c, model_config)
+  mesh = meshlib.make_mesh(c.mesh.data, c.mesh.fsdp, devices)
+  optimizer, lr_schedule = optim.make_optimizer(c.optim), optim.schedule(c.optim)
+  dtype = jnp.dtype(c.model.param_dtype)
+  shapes = jax.eval_shape(lambda: decoder.init_params(model_config, jax.random.key(0)))
+  shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, dtype), shapes)
+  params = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                        shapes, meshlib.params_sharding(shapes, mesh))
+  shardings = state_shardings(params, optimizer, mesh)
+  state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                       jax.eval_shape(lambda p: step.init_state(p, optimizer), params),
+                       shardings)
+  # The batch's shapes and dtypes are packing's own: one tiny trajectory packed into `rows`.
+  tiny = Trajectory("shape", np.zeros(1, np.int32), np.zeros(1, np.int32), np.ones(1, bool),
+                    np.zeros(1, np.float32), 0.0, 0)
+  routing = None
+  if model_config.is_moe:
+    routing = model_config.routing_shape
+    tiny.routed_experts = np.zeros((1, *routing), model_config.routing_dtype)
+  (b,) = pack([tiny], PackingSpec(c.packing.row_len, (rows,),
+                                  c.packing.max_segments_per_row), routing).batches
+  batch = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), b,
+                       meshlib.batch_sharding(b, mesh))
+  rep = meshlib.replicated(mesh)
+  stats = obj.BatchStats(*[jax.ShapeDtypeStruct((), jnp.float32, sharding=rep)] * 3)
+  fn = jit_update(step_config(c, model_config), optimizer, lr_schedule, shardings, mesh)
+  with jax.set_mesh(mesh):  # the model's per-shard paths read it (moe._experts)
+    return fn.lower(state, None, batch, stats).compile(), mesh

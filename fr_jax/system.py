@@ -28,11 +28,6 @@ from fr_jax.transport import codec
 log = logging.getLogger("fr_jax.system")
 
 
-def load_model(c: ml_collections.ConfigDict) -> registry.LoadedModel:
-  return registry.load(c.model.name, param_dtype=c.model.param_dtype,
-                       compute_dtype=c.model.compute_dtype, seed=c.model.seed)
-
-
 def build_service(c: ml_collections.ConfigDict, model=None, *, resume: bool = True,
                   admission_log: bool = False):
   """(learner, service), restored from the latest committed checkpoint in run_dir if there
@@ -167,7 +162,7 @@ def train_in_process(c: ml_collections.ConfigDict, *, model=None,
   sharing the model and the devices (weights handed over as arrays, nothing serialised).
   Setting `stop` ends the run after the current update, with a checkpoint. `final`, if
   given, receives the last published (version, params)."""
-  model = model or load_model(c)
+  model = model or registry.load_configured(c.model)
   if c.rollout.engine == "embedded":  # fail here, not in every worker thread
     require_tokenizer(c, model)
   learner, service = build_service(c, model)

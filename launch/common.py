@@ -1,13 +1,14 @@
 """Shared launch plumbing: the --config flag, one-line failures, logging.
 
-Only errors born in flag or config parsing become one line (`error: ...`, exit status 2);
-anything raised while a run runs keeps its traceback."""
+Only errors born in flag or config parsing (a `UsageError`) become one line (`error: ...`,
+exit status 2); anything else raised while a run runs keeps its traceback."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
+from pathlib import Path
 
 from absl import flags, logging
 from ml_collections import config_flags
@@ -97,12 +98,63 @@ def stop_on_interrupt():
 
 
 def load_model(c):
-  from fr_jax import system
   from fr_jax.models import registry
   try:
-    return system.load_model(c)
+    return registry.load_configured(c.model)
   except (registry.ModelNotFound, registry.CheckpointError, FileNotFoundError) as e:
     fail(f"model {c.model.name!r}: {e}")
+
+
+def find_checkpoint(path: str, step: int | None = None) -> tuple[Path, int]:
+  """(checkpoints directory, step) for --checkpoint (a run directory written by launch.train,
+  or its checkpoints/) and --step (default: the newest committed); launch.evaluate and
+  launch.export both resolve them here."""
+  run = Path(path).absolute()
+  if not run.is_dir():
+    raise UsageError(f"--checkpoint={path}: no such directory; give a run directory written "
+                     "by launch.train or its checkpoints/ directory")
+  from fr_jax.learner.checkpoint import committed_steps
+  for d in (run / "checkpoints", run):
+    if steps := committed_steps(d):
+      if step is None:
+        return d, steps[-1]
+      if step not in steps:
+        raise UsageError(f"--step={step}: {d} has committed steps {steps}")
+      return d, step
+  hint = ""
+  if committed_steps(run / "sft" / "checkpoints"):
+    hint = f"; the warm start's checkpoints are in {run / 'sft'}: pass --checkpoint={run / 'sft'}"
+  raise UsageError(f"--checkpoint={path}: no committed checkpoint in {run / 'checkpoints'} or "
+                   f"{run}{hint}")
+
+
+def read_checkpoint(step_dir: Path):
+  """(params as host NumPy arrays, the step's meta record) of a step `find_checkpoint` found:
+  `checkpoint.restore_params`, the parameters alone (no optimizer state, no Learner)."""
+  from fr_jax.learner.checkpoint import restore_params
+  try:
+    return restore_params(step_dir)
+  except ValueError as e:
+    raise UsageError(str(e)) from None
+
+
+def flat(tree, prefix=()):
+  """(path "a/b", leaf) of each leaf of a nested dict of parameters."""
+  if isinstance(tree, dict):
+    for k, v in tree.items():
+      yield from flat(v, (*prefix, k))
+  else:
+    yield "/".join(prefix), tree
+
+
+def check_params(params, shapes: dict, model: str, hint: str = ""):
+  """UsageError unless a checkpoint's `params` have exactly `shapes` ({path: shape}), those
+  of `model`."""
+  got = {k: tuple(a.shape) for k, a in flat(params)}
+  for k in sorted(set(shapes) | set(got)):
+    if shapes.get(k) != got.get(k):
+      raise UsageError(f"checkpoint params/{k} has shape {got.get(k)}, but model {model!r} "
+                       f"implies {shapes.get(k)}: this checkpoint is not that model's{hint}")
 
 
 def parse_flags(argv):
@@ -117,10 +169,17 @@ def parse_flags(argv):
 
 
 def run(main):
-  """app.run with one-line flag and config errors; a failure inside `main` keeps its
-  traceback."""
+  """app.run with one-line flag and config errors, and a `UsageError` from `main`; any other
+  failure inside `main` keeps its traceback."""
   from absl import app
-  app.run(main, flags_parser=parse_flags)
+
+  def main_(argv):
+    try:
+      return main(argv)
+    except UsageError as e:
+      fail(str(e))
+
+  app.run(main_, flags_parser=parse_flags)
 
 
 def fail(message: str):

@@ -8,9 +8,12 @@ Greedy decoding for --samples=1; with k > 1 samples per task it adds avg@k and p
 Reports accuracy, tool calls per trajectory, response length, truncation rate and turns as a
 table on stderr and one JSON line on stdout. The agent settings (template, limits) come from
 --config, the same as training.
+
+--checkpoint and --step are resolved as `launch.export` resolves them (`common.find_checkpoint`)
+and only the step's parameters are read (`common.read_checkpoint`: no optimizer state, no
+Learner), in the config's model.param_dtype; `version` is the step's policy version.
 """
 
-import os
 import sys
 
 from absl import flags
@@ -23,7 +26,7 @@ flags.DEFINE_string("env", None, "environment (default: config.env.name)")
 flags.DEFINE_integer("n", 200, "held-out tasks (the first n of the test split)")
 flags.DEFINE_integer("samples", 1, "samples per task (1: greedy)")
 flags.DEFINE_float("temperature", 1.0, "sampling temperature when --samples > 1")
-flags.DEFINE_integer("step", None, "checkpoint step (default: the latest)")
+flags.DEFINE_integer("step", None, "checkpoint step (default: the newest committed)")
 FLAGS = flags.FLAGS
 
 
@@ -36,29 +39,33 @@ def main(argv):
   if FLAGS.env:
     c.env.name = FLAGS.env
   ck = FLAGS.checkpoint
-  if ck and not os.path.isdir(ck):
-    common.fail(f"--checkpoint={ck}: no such directory")
+  if FLAGS.step is not None and not ck:
+    common.fail(f"--step={FLAGS.step} picks a step of --checkpoint: give --checkpoint too")
+  # A bad --checkpoint fails before the model loads.
+  d, step = common.find_checkpoint(ck, FLAGS.step) if ck else (None, None)
   model = common.load_model(c)
+  import jax
+  import jax.numpy as jnp
+
   from fr_jax import envs, system
   from fr_jax.evaluate import evaluate, table
   params, version = model.params, 0
   if ck:
-    from fr_jax.learner.learner import Learner
-    d = ck if os.path.basename(os.path.normpath(ck)) == "checkpoints" else \
-        os.path.join(ck, "checkpoints")
-    with c.unlocked():
-      c.checkpoint.dir, c.log.dir, c.log.peak_flops = d, "", 1.0
-    learner = Learner(c, model=model)
-    if learner.restore(FLAGS.step) is None:
-      common.fail(f"--checkpoint={ck}: no checkpoint in {d}")
-    params, version = learner.params, learner.version
+    params, meta = common.read_checkpoint(d / str(step))
+    run = meta["config"]["model"]["name"]
+    common.check_params(params, {k: a.shape for k, a in common.flat(model.params)}, c.model.name,
+                        f" (the run trained {run!r}: evaluate it with the run's --config)")
+    # In the config's param_dtype, as the learner held and evaluated them; on the device.
+    params = jax.tree.map(lambda a, w: jnp.asarray(a, w.dtype), params, model.params)
+    version = meta.get("policy_version", step)
   try:
     env = envs.make(c.env.name, **(c.env.kwargs.to_dict() if not FLAGS.env else {}))
     r = evaluate(model.config, params, model.tokenizer, env, system.agent_config(c),
                  n=FLAGS.n, samples=FLAGS.samples, temperature=FLAGS.temperature)
   except ValueError as e:
     common.fail(str(e))
-  r = {"model": c.model.name, "checkpoint": ck, "version": version, **r}
+  r = {"model": c.model.name, "checkpoint": str(d / str(step)) if ck else "", "version": version,
+       **r}
   print(table(r), file=sys.stderr)
   common.print_json(r)
 

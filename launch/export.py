@@ -53,48 +53,7 @@ DTYPES = {"hf": ("f32", "bf16"), "gguf": ("f32", "f16", "q8_0")}
 log = logging.getLogger("fr_jax.export")
 
 
-# --- the checkpoint ----------------------------------------------------------------------------
-
-def find_step(path: str, step=None) -> tuple[Path, int]:
-  """(checkpoints directory, step) for --checkpoint and --step."""
-  run = Path(path).absolute()
-  if not run.is_dir():
-    raise common.UsageError(f"--checkpoint={path}: no such directory; give a run directory "
-                            "written by launch.train or its checkpoints/ directory")
-  from fr_jax.learner.checkpoint import committed_steps
-  for d in (run / "checkpoints", run):
-    if committed_steps(d):
-      steps = committed_steps(d)
-      if step is None:
-        return d, steps[-1]
-      if step not in steps:
-        raise common.UsageError(f"--step={step}: {d} has committed steps {steps}")
-      return d, step
-  hint = ""
-  if committed_steps(run / "sft" / "checkpoints"):
-    hint = f"; the warm start's checkpoints are in {run / 'sft'}: pass --checkpoint={run / 'sft'}"
-  raise common.UsageError(f"--checkpoint={path}: no committed checkpoint in "
-                          f"{run / 'checkpoints'} or {run}{hint}")
-
-
-def read_params(step_dir: Path):
-  """(params as host NumPy arrays, the step's meta record): `checkpoint.restore_params`."""
-  from fr_jax.learner.checkpoint import restore_params
-  try:
-    return restore_params(step_dir)
-  except ValueError as e:
-    raise common.UsageError(str(e)) from None
-
-
 # --- the model ---------------------------------------------------------------------------------
-
-def _flat(tree, prefix=()):
-  if isinstance(tree, dict):
-    for k, v in tree.items():
-      yield from _flat(v, (*prefix, k))
-  else:
-    yield "/".join(prefix), tree
-
 
 def model_of_run(config: dict, params):
   """The run's ModelConfig (as the learner built it), tokenizer and source GGUF reader,
@@ -111,13 +70,7 @@ def model_of_run(config: dict, params):
   # As the learner builds it; the head is tied where the checkpoint has no lm_head.
   cfg = cfg.replace(param_dtype=m["param_dtype"], compute_dtype=m["compute_dtype"],
                     attention=m["attention"], tie_embeddings="lm_head" not in params)
-  want = dict(_flat(decoder.param_shapes(cfg), ()))
-  got = {k: tuple(a.shape) for k, a in _flat(params)}
-  for k in sorted(set(want) | set(got)):
-    if want.get(k) != got.get(k):
-      raise common.UsageError(f"checkpoint params/{k} has shape {got.get(k)}, but model "
-                              f"{m['name']!r} implies {want.get(k)}: this checkpoint is not "
-                              "that model's")
+  common.check_params(params, dict(common.flat(decoder.param_shapes(cfg))), m["name"])
   return cfg, tok, reader
 
 
@@ -128,13 +81,13 @@ def export(checkpoint: str, fmt: str, out: str, step=None, dtype: str = "f32") -
   if dtype not in DTYPES[fmt]:
     raise common.UsageError(f"--dtype={dtype} is not available for --format={fmt}: choose "
                             f"one of {DTYPES[fmt]}")
-  d, step = find_step(checkpoint, step)
+  d, step = common.find_checkpoint(checkpoint, step)
   t0 = time.perf_counter()
   log.info("reading step %d from %s (parameters only)", step, d)
-  params, meta = read_params(d / str(step))
+  params, meta = common.read_checkpoint(d / str(step))
   import numpy as np
-  n = sum(a.size for _, a in _flat(params))
-  nbytes = sum(a.nbytes for _, a in _flat(params))
+  n = sum(a.size for _, a in common.flat(params))
+  nbytes = sum(a.nbytes for _, a in common.flat(params))
   log.info("restored %.1fM parameters (%.0f MB) in %.1fs", n / 1e6, nbytes / 1e6,
            time.perf_counter() - t0)
   t1 = time.perf_counter()
@@ -203,11 +156,7 @@ def main(argv):
   if not FLAGS["verbosity"].present:
     absl_logging.set_verbosity(absl_logging.WARNING)
   _progress_to_stderr()
-  try:
-    summary = export(FLAGS.checkpoint, FLAGS.format, FLAGS.out, FLAGS.step, FLAGS.dtype)
-  except common.UsageError as e:
-    common.fail(str(e))
-  common.print_json(summary)
+  common.print_json(export(FLAGS.checkpoint, FLAGS.format, FLAGS.out, FLAGS.step, FLAGS.dtype))
 
 
 if __name__ == "__main__":

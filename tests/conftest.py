@@ -1,19 +1,35 @@
 """Test setup: 8 host CPU devices, forced before JAX is imported anywhere."""
 
 import os
+import shutil
+import tempfile
+import time
 
 from tests import XLA_TEST_FLAGS
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" {XLA_TEST_FLAGS}"
                            " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# One persistent compilation cache (fr_jax.compile_cache) for the suite, inherited by both
+# One persistent compilation cache (fr_jax.compile_cache) for the session, inherited by both
 # test processes and every launch they start: a program that several processes compile, or
-# that learners and engines rebuild within one, compiles once. It lives in .pytest_cache/
-# (ignored by git; a rerun starts warm); set JAX_COMPILATION_CACHE_DIR to move it. Programs
-# that compile in 0.1 s or more are written. A multi-process CPU learner turns it off.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache", "xla"))
+# that learners and engines rebuild within one, compiles once. Programs that compile in 0.1 s
+# or more are written. A multi-process CPU learner turns it off. Each session starts a fresh
+# one in .pytest_cache/xla/ (ignored by git; older sessions' are removed): an 8-device CPU
+# mesh program loaded from a cache a previous process wrote can deadlock in its collectives
+# and abort (devices join different all-gathers), which a rerun with a warm cache did in
+# test_moe_learner and test_multihost. Set JAX_COMPILATION_CACHE_DIR to choose the folder.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the session's first process: make it
+  _xla = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                      ".pytest_cache", "xla")
+  os.makedirs(_xla, exist_ok=True)
+  for _old in os.listdir(_xla):  # sessions of more than 6 hours ago, and the old shared cache
+    _path = os.path.join(_xla, _old)
+    if not _old.startswith("session-") or time.time() - os.path.getmtime(_path) > 6 * 3600:
+      if os.path.isdir(_path):
+        shutil.rmtree(_path, ignore_errors=True)
+      else:
+        os.remove(_path)
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="session-", dir=_xla)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 
 import jax  # must come after XLA_FLAGS

@@ -141,6 +141,7 @@ def main(argv):
   from fr_jax import config as rcfg
   from fr_jax import envs, sft, system
   from fr_jax.evaluate import evaluate
+  from fr_jax.models import registry
   from launch.sft import warm_start
   t0 = time.perf_counter()
   os.makedirs(F.out, exist_ok=True)
@@ -152,7 +153,7 @@ def main(argv):
     c.update_from_flattened_dict({k: ast.literal_eval(v)})
   c = rcfg.validate(c)
   sft.write_jsonl(c.sft.data, demonstrations(2000, F.seed))
-  model = system.load_model(c)
+  model = registry.load_configured(c.model)
   # The warm start takes the run's schedule shape (optim.min_lr_ratio) with sft.lr: keep its
   # lr constant after the warm-up, as the guard was measured with.
   sc = c.copy_and_resolve_references()

@@ -3,7 +3,9 @@ through fr_jax's own loader (params and logits; f32 exact, f16 equal to the para
 to f16, q8_0 within half a quantum of a NumPy Q8_0 of our own) and its tokenizer fields
 against the source GGUF's; llama.cpp's logits and tokens on the GGUF (skipped where
 llama-cpp-python is not installed); `launch.export` end to end on a learner checkpoint, its
-HF directory loaded by transformers and its GGUF by the loader; and its one-line errors."""
+HF directory loaded by transformers and its GGUF by the loader; and its one-line errors.
+`launch.evaluate` on the same checkpoint against a Learner that restored it, and the two
+commands' shared --checkpoint resolution."""
 
 import json
 import subprocess
@@ -253,11 +255,18 @@ def _export(*args):
                         text=True, timeout=300)
 
 
+def _evaluate(*args):
+  return subprocess.run([sys.executable, "-m", "launch.evaluate", f"--config={tiny_test.__file__}",
+                         *args], capture_output=True, text=True, timeout=300)
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
   """A run directory holding one learner checkpoint of tiny_test (tiny-chat), whose params
-  were replaced by random ones (so an export of the base model's init would fail)."""
-  return _random_run(tmp_path_factory.mktemp("run"), "tiny-chat", seed=9)
+  were replaced by random ones (so an export of the base model's init would fail), the
+  end-of-turn token's (tied) embedding scaled so that greedy replies stop after a number of
+  tokens that varies by prompt: held-out numbers that depend on the parameters."""
+  return _random_run(tmp_path_factory.mktemp("run"), "tiny-chat", seed=9, eos_scale=1.8)
 
 
 @pytest.fixture(scope="module")
@@ -266,13 +275,14 @@ def moe_run(tmp_path_factory):
   return _random_run(tmp_path_factory.mktemp("moe_run"), "tiny-chat-moe", seed=10)
 
 
-def _random_run(run, model_name, seed):
+def _random_run(run, model_name, seed, eos_scale=1.0):
   c = tiny_test.get_config()
   c.model.name = model_name
   c.checkpoint.dir = str(run / "checkpoints")
   learner = Learner(c)
   cfg = learner.model_config
   params = random_params(cfg, seed=seed)
+  params["embed"][Tokenizer.byte_level().token_id("<|im_end|>")] *= eos_scale
   shardings = jax.tree.map(lambda a: a.sharding, learner.state.params)
   learner.state = learner.state._replace(params=jax.device_put(params, shardings))
   assert learner.save(force=True)
@@ -286,6 +296,7 @@ def test_export_hf_loads_in_transformers(tiny_run, tmp_path):
   assert r.returncode == 0, r.stderr
   out = json.loads(r.stdout.strip().splitlines()[-1])
   assert (out["format"], out["step"], out["model"]) == ("hf", 0, "tiny-chat")
+  assert out["checkpoint"] == str(run / "checkpoints")
   assert "export: restored 0.1M parameters" in r.stderr
   model = transformers.AutoModelForCausalLM.from_pretrained(
       tmp_path / "hf", attn_implementation="eager", dtype=torch.float32).eval()
@@ -304,6 +315,7 @@ def test_export_gguf_reads_back(tiny_run, tmp_path):
   assert r.returncode == 0, r.stderr
   out = json.loads(r.stdout.strip().splitlines()[-1])
   assert out["out"] == str(tmp_path / "model-f16.gguf") and out["dtype"] == "f16"
+  assert out["checkpoint"] == str(run / "checkpoints")
   assert "tokenizer built from its BPE tokenizer" in r.stderr
   got_cfg, got, reader = load_gguf(tmp_path / "model-f16.gguf")
   # tiny-chat has no eos id of its own; the GGUF carries the tokenizer's (<|im_end|>).
@@ -316,23 +328,79 @@ def test_export_gguf_reads_back(tiny_run, tmp_path):
 
 def test_export_errors_are_one_line(tiny_run, tmp_path):
   run, _, _ = tiny_run
-  cases = [
-      ((f"--checkpoint={tmp_path}", "--format=hf", f"--out={tmp_path / 'o'}"),
-       f"error: --checkpoint={tmp_path}: no committed checkpoint in {tmp_path}/checkpoints"),
-      ((f"--checkpoint={tmp_path / 'nope'}", "--format=hf", f"--out={tmp_path / 'o'}"),
-       "no such directory"),
+  cases = [  # --checkpoint's errors: test_evaluate_and_export_resolve_checkpoint_alike
       ((f"--checkpoint={run}", "--format=onnx", f"--out={tmp_path / 'o'}"),
        "error: flag --format=onnx: value should be one of <hf|gguf>"),
       ((f"--checkpoint={run}", "--format=gguf", "--dtype=bf16", f"--out={tmp_path / 'o'}"),
        "error: --dtype=bf16 is not available for --format=gguf: choose one of"),
-      ((f"--checkpoint={run}", "--step=3", "--format=hf", f"--out={tmp_path / 'o'}"),
-       "has committed steps [0]"),
   ]
   for args, message in cases:
     r = _export(*args)
     assert r.returncode == 2 and message in r.stderr, (args, r.stderr)
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
   assert not (tmp_path / "o").exists()
+
+
+def test_evaluate_and_export_resolve_checkpoint_alike(tiny_run, tmp_path):
+  """One --checkpoint/--step resolver: a run directory and its checkpoints/ name the same
+  step; a missing directory, a directory with no committed step (but a warm start's) and a
+  missing step give both commands the same one-line error."""
+  from launch import common
+  run, _, _ = tiny_run
+  assert common.find_checkpoint(str(run)) == common.find_checkpoint(str(run / "checkpoints")) \
+      == (run / "checkpoints", 0)
+  warm = tmp_path / "warm"
+  (warm / "sft").mkdir(parents=True)
+  (warm / "sft" / "checkpoints").symlink_to(run / "checkpoints")  # a committed step 0
+  cases = [
+      ((f"--checkpoint={warm}",),
+       f"error: --checkpoint={warm}: no committed checkpoint in {warm}/checkpoints or {warm}; "
+       f"the warm start's checkpoints are in {warm}/sft: pass --checkpoint={warm}/sft\n"),
+      ((f"--checkpoint={tmp_path / 'nope'}",),
+       f"error: --checkpoint={tmp_path / 'nope'}: no such directory; give a run directory"),
+      ((f"--checkpoint={run}", "--step=3"),
+       f"error: --step=3: {run}/checkpoints has committed steps [0]\n"),
+  ]
+  for args, message in cases:
+    ex = _export(*args, "--format=hf", f"--out={tmp_path / 'o'}")
+    ev = _evaluate(*args)
+    assert ex.returncode == 2 and message in ex.stderr, (args, ex.stderr)
+    assert len(ex.stderr.strip().splitlines()) == 1, ex.stderr
+    assert (ev.returncode, ev.stderr) == (2, ex.stderr), (args, ev.stderr)
+  assert not (tmp_path / "o").exists()
+
+
+def test_evaluate_checkpoint_matches_the_restored_learner(tiny_run):
+  """launch.evaluate --checkpoint=<run> reads the parameters alone (no Learner) and reports
+  what evaluating the params of a Learner that restored the run's full train state gives."""
+  from fr_jax import envs, system
+  from fr_jax.evaluate import evaluate
+  from launch import common
+  run, _, params = tiny_run
+  r = _evaluate(f"--checkpoint={run}", "--n=6")
+  assert r.returncode == 0, r.stderr
+  got = json.loads(r.stdout.strip().splitlines()[-1])
+  c = tiny_test.get_config()
+  c.checkpoint.dir = str(run / "checkpoints")
+  model = registry.load_configured(c.model)
+  learner = Learner(c, model=model)
+  learner.restore()
+  restored = leaves(learner.params)
+  # The shared reader's parameters: the saved ones, as the learner restores them.
+  read, meta = common.read_checkpoint(run / "checkpoints" / "0")
+  assert meta["policy_version"] == learner.version == 0
+  for k, a in leaves(read).items():
+    np.testing.assert_array_equal(restored[k], leaves(params)[k], err_msg=k)
+    assert a.dtype == restored[k].dtype == np.float32, k
+    np.testing.assert_array_equal(a, restored[k], err_msg=k)
+  env = envs.make(c.env.name, **c.env.kwargs.to_dict())
+  want = evaluate(model.config, learner.params, model.tokenizer, env, system.agent_config(c),
+                  n=6)
+  learner.close()
+  assert 0 < want["truncation_rate"] < 1  # replies stop at lengths set by the parameters
+  assert got.pop("seconds") >= 0 and want.pop("seconds") >= 0
+  assert got == {"model": "tiny-chat", "checkpoint": str(run / "checkpoints" / "0"),
+                 "version": 0, **want}
 
 
 def test_export_moe_hf_loads_in_transformers_and_gguf_is_refused(moe_run, tmp_path):

@@ -50,8 +50,9 @@ def worker_child() -> None:
   compile_cache.configure(F.cache)
   from fr_jax import config as rcfg
   from fr_jax import system
+  from fr_jax.models import registry
   c = rcfg.validate(runpy.run_path(F.config)["get_config"]())
-  model = system.load_model(c)
+  model = registry.load_configured(c.model)
   t1 = time.perf_counter()
   engine = system.build_engine(c, model)
   engine.warmup()

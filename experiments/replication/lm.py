@@ -81,7 +81,8 @@ def warm_model(s: LMSetting, log=None):
   cached under driver.CACHE_DIR (or computed in a temporary folder)."""
   import tempfile
 
-  from fr_jax import envs, system
+  from fr_jax import envs
+  from fr_jax.models import registry
   from launch.sft import warm_start
   c = s.run_config(0)
   key = f"lm-{s.config}"
@@ -89,7 +90,7 @@ def warm_model(s: LMSetting, log=None):
     return driver._WARM[key]
   root = Path(driver.CACHE_DIR) if driver.CACHE_DIR else Path(tempfile.mkdtemp())
   out = root / key
-  model = system.load_model(c)
+  model = registry.load_configured(c.model)
   if log:
     log(f"  warm start: {c.sft.steps} SFT steps in {out}")
   w = warm_start(c, model, str(out), progress=False)

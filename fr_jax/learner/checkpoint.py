@@ -81,7 +81,7 @@ def committed_steps(directory) -> list[int]:
 def restore_params(step_dir) -> tuple[Any, dict]:
   """(parameters as host NumPy arrays, the step's meta record) of one saved step, reading
   only `state.params`: an Orbax partial restore, no optimizer state, no device copy
-  (`launch.export`). Raises ValueError for a step that is not a learner's train state."""
+  (`launch.export`, `launch.evaluate`). ValueError for a step not a learner's train state."""
   import numpy as np
   from etils import epath
   state = epath.Path(step_dir) / "state"

@@ -45,7 +45,7 @@ class TrainState(NamedTuple):
 class StepConfig:
   """Everything static the update step closes over (hashable).
 
-  Built from the learner config (`learner.step_config`), which owns every default.
+  Built from the learner config (`compile.step_config`), which owns every default.
   """
 
   model: ModelConfig

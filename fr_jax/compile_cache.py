@@ -22,6 +22,11 @@ issues its cross-process collectives differently from its peer's program, freshl
 loaded alike, and gloo aborts ("Received data size doesn't match expected size"). JAX writes
 entries from process 0 only, so the first warm run of a multi-process CPU learner aborts.
 `multihost.initialize` therefore turns the cache off in such a process (`off_for_processes`).
+
+The same holds within one process for a learner on a mesh of several CPU devices (forced
+host devices): a second `launch.train --config.mesh.fsdp=8` loaded its update from the cache
+and aborted, its 8 device threads waiting in different all-gathers (XLA's rendezvous
+timeout). The launches therefore turn the cache off for a CPU mesh (`off_for_cpu_mesh`).
 """
 
 from __future__ import annotations
@@ -77,6 +82,18 @@ def configure(setting: str = "auto") -> str | None:
   if "JAX_COMPILATION_CACHE_MAX_SIZE" not in os.environ:
     jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
   return path
+
+
+def off_for_cpu_mesh(mesh_devices: int) -> bool:
+  """Before anything compiles: turns the cache off where the learner's mesh spans several
+  CPU devices (see the module docstring). Returns whether it did."""
+  if mesh_devices <= 1 or jax.default_backend() != "cpu":
+    return False
+  if jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir:
+    log.info("compilation cache off: a learner on %d CPU devices cannot load its programs "
+             "from it (fr_jax.compile_cache)", mesh_devices)
+  jax.config.update("jax_enable_compilation_cache", False)
+  return True
 
 
 def off_for_processes() -> bool:

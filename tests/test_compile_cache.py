@@ -26,22 +26,26 @@ _CHILD = """
 import sys
 import jax, jax.numpy as jnp
 from fr_jax import compile_cache
-print(compile_cache.configure(sys.argv[1]))
+print(compile_cache.configure(sys.argv[1]), compile_cache.off_for_cpu_mesh(int(sys.argv[2])))
 jax.jit(lambda x: jnp.cumsum(x) * 2)(jnp.arange(5.0)).block_until_ready()
 """
 
 
 def test_a_configured_process_writes_its_programs_there_and_off_writes_none(tmp_path):
+  """... and a launch whose learner mesh spans 8 CPU devices writes none either: loaded from
+  the cache, such an update deadlocked in its all-gathers (`compile_cache.off_for_cpu_mesh`;
+  the 8 devices are the suite's forced host devices)."""
   env = dict(os.environ, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
              JAX_COMPILATION_CACHE_DIR=str(tmp_path / "env_dir"))
   got = {}
-  for setting in (str(tmp_path / "mine" / "xla"), "off"):
-    r = subprocess.run([sys.executable, "-c", _CHILD, setting], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=120)
+  mine, mesh = tmp_path / "mine" / "xla", tmp_path / "mesh" / "xla"
+  for setting, devices in ((str(mine), 1), ("off", 1), (str(mesh), 8)):
+    r = subprocess.run([sys.executable, "-c", _CHILD, setting, str(devices)], cwd=REPO,
+                       env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     got[setting] = r.stdout.strip().splitlines()[-1]
-  mine = tmp_path / "mine" / "xla"
-  assert got == {str(mine): str(mine), "off": "None"}
+  assert got == {str(mine): f"{mine} False", "off": "None False", str(mesh): f"{mesh} True"}
   assert any(p.name.startswith("jit_") for p in mine.iterdir())
+  assert not any(mesh.iterdir())  # the CPU mesh's process wrote nothing
   assert (mine.stat().st_mode & 0o777) == 0o700  # the cache is code: the user's alone
   assert not (tmp_path / "env_dir").exists()  # "off" wrote nowhere, not even JAX's default

@@ -142,19 +142,11 @@ def read_checkpoint(step_dir: Path):
     raise UsageError(str(e)) from None
 
 
-def flat(tree, prefix=()):
-  """(path "a/b", leaf) of each leaf of a nested dict of parameters."""
-  if isinstance(tree, dict):
-    for k, v in tree.items():
-      yield from flat(v, (*prefix, k))
-  else:
-    yield "/".join(prefix), tree
-
-
 def check_params(params, shapes: dict, model: str, hint: str = ""):
   """UsageError unless a checkpoint's `params` have exactly `shapes` ({path: shape}), those
   of `model`."""
-  got = {k: tuple(a.shape) for k, a in flat(params)}
+  from fr_jax.transport.codec import flatten
+  got = {k: tuple(a.shape) for k, a in flatten(params).items()}
   for k in sorted(set(shapes) | set(got)):
     if shapes.get(k) != got.get(k):
       raise UsageError(f"checkpoint params/{k} has shape {got.get(k)}, but model {model!r} "

@@ -49,11 +49,13 @@ def main(argv):
 
   from fr_jax import envs, system
   from fr_jax.evaluate import evaluate, table
+  from fr_jax.transport.codec import flatten
   params, version = model.params, 0
   if ck:
     params, meta = common.read_checkpoint(d / str(step))
     run = meta["config"]["model"]["name"]
-    common.check_params(params, {k: a.shape for k, a in common.flat(model.params)}, c.model.name,
+    shapes = {k: a.shape for k, a in flatten(model.params).items()}
+    common.check_params(params, shapes, c.model.name,
                         f" (the run trained {run!r}: evaluate it with the run's --config)")
     # In the config's param_dtype, as the learner held and evaluated them; on the device.
     params = jax.tree.map(lambda a, w: jnp.asarray(a, w.dtype), params, model.params)

@@ -60,6 +60,7 @@ def model_of_run(config: dict, params):
   checked against the checkpoint's parameter shapes."""
   from fr_jax.models import decoder, registry
   from fr_jax.models.hf_io import CheckpointError
+  from fr_jax.transport.codec import flatten
   m = config["model"]
   try:
     info = registry.describe(m["name"])
@@ -70,7 +71,7 @@ def model_of_run(config: dict, params):
   # As the learner builds it; the head is tied where the checkpoint has no lm_head.
   cfg = cfg.replace(param_dtype=m["param_dtype"], compute_dtype=m["compute_dtype"],
                     attention=m["attention"], tie_embeddings="lm_head" not in params)
-  common.check_params(params, dict(common.flat(decoder.param_shapes(cfg))), m["name"])
+  common.check_params(params, flatten(decoder.param_shapes(cfg)), m["name"])
   return cfg, tok, reader
 
 
@@ -86,8 +87,10 @@ def export(checkpoint: str, fmt: str, out: str, step=None, dtype: str = "f32") -
   log.info("reading step %d from %s (parameters only)", step, d)
   params, meta = common.read_checkpoint(d / str(step))
   import numpy as np
-  n = sum(a.size for _, a in common.flat(params))
-  nbytes = sum(a.nbytes for _, a in common.flat(params))
+
+  from fr_jax.transport.codec import flatten
+  n = sum(a.size for a in flatten(params).values())
+  nbytes = sum(a.nbytes for a in flatten(params).values())
   log.info("restored %.1fM parameters (%.0f MB) in %.1fs", n / 1e6, nbytes / 1e6,
            time.perf_counter() - t0)
   t1 = time.perf_counter()

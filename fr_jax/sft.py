@@ -16,11 +16,18 @@ model would sample it (its text's ids, then the end-of-turn token) with action_m
 every tool or user turn through the agent loop's own template (`agent.user_turn_ids`) with
 action_mask False. The learner trains on such records with `objective.loss=sft`: the mean
 negative log-likelihood of the assistant tokens (see `fr_jax.learner.step`).
+
+`warm_start()` is the one supervised warm start: `launch.sft` and `launch.train` run it on a
+run config, the replication driver and the learning guard on their own data.
 """
 
 from __future__ import annotations
 
+import copy
 import json
+import os
+import sys
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -144,18 +151,17 @@ def write_jsonl(path, conversations: Iterable[list[dict]]) -> Path:
                                           for m in conversations))
 
 
-def demonstrations(env, n: int, *, seed: int = 0, tool_fraction: float = 0.5) -> list:
-  """`n` conversations on the env's train split from `env.demonstration(task, use_tool)` (or
-  `env.sft_demonstration`, for an env whose `demonstration` serves another warm start);
-  each calls the tool with probability `tool_fraction`, independently of the task, so the
-  warm-started policy calls it on about that share of items whatever they are."""
-  make = getattr(env, "sft_demonstration", None) or getattr(env, "demonstration", None)
-  if make is None:
+def demonstrations(env, n: int, *, seed: int = 0, tool_fraction: float = 0.5,
+                   **options) -> list:
+  """`n` conversations on the env's train split from `env.demonstration(task, use_tool,
+  **options)`; each calls the tool with probability `tool_fraction`, independently of the
+  task, so the warm-started policy calls it on about that share of items whatever they are."""
+  if not hasattr(env, "demonstration"):
     raise SFTDataError(f"env {env.name!r} writes no demonstrations; pass sft.data=FILE.jsonl")
   rng = np.random.default_rng([seed, 7])
   size = env.split_size("train")
-  return [make(env.task("train", int(rng.integers(size))), bool(rng.random() < tool_fraction))
-          for _ in range(n)]
+  return [env.demonstration(env.task("train", int(rng.integers(size))),
+                            bool(rng.random() < tool_fraction), **options) for _ in range(n)]
 
 
 def batch_indices(num_examples: int, batch_size: int, step: int, seed: int = 0) -> np.ndarray:
@@ -173,3 +179,120 @@ def batch_indices(num_examples: int, batch_size: int, step: int, seed: int = 0) 
       perms[epoch] = np.random.default_rng([seed, epoch]).permutation(num_examples)
     out.append(perms[epoch][k])
   return np.asarray(out)
+
+
+# --- the warm start ---------------------------------------------------------------------------
+
+def learner_config(c):
+  """The run config turned into the warm start's learner config."""
+  s = copy.deepcopy(c)
+  with s.unlocked():
+    s.objective.loss = "sft"
+    s.objective.temperature = 1.0  # the likelihood of the data, not of a tempered policy
+    s.objective.reduction = c.sft.reduction
+    s.batch_size, s.minibatches = c.sft.batch_size, 1
+    s.optim.lr, s.optim.warmup_frac = c.sft.lr, c.sft.warmup_frac
+    s.optim.total_steps = max(c.sft.steps, 1)
+    s.checkpoint.every = c.sft.checkpoint_every
+  return s
+
+
+def warm_start(c, model, out_dir: str, *, stop=None, progress: bool = True, on_step=None,
+               done_when=None) -> dict:
+  """Runs (or resumes, or finds finished) the warm start of `c.sft` in `out_dir`: the data
+  (`c.sft.data`, or `c.sft.examples` demonstrations of the env written once to
+  out_dir/sft_data.jsonl), the learner of `learner_config(c)` with checkpoints and metrics in
+  out_dir, and an HF export in out_dir/export when finished. Returns the summary;
+  summary["params"] holds the trained parameters (on device).
+
+  `stop` (an Event) ends it after the current step with a checkpoint, unfinished;
+  `on_step(step, metrics)` is called after each step; `done_when(step, params)` is asked
+  before each step, with the parameters after `step` steps (a resumed run asks again), and True
+  ends the warm start there, finished."""
+  from fr_jax import envs
+  from fr_jax.learner.learner import Learner
+  from fr_jax.trajectory import TrajectoryError, validate
+  t0 = time.time()
+  os.makedirs(out_dir, exist_ok=True)
+  data = c.sft.data
+  if not data:  # generated once, then read back like any user's file
+    data = os.path.join(out_dir, "sft_data.jsonl")
+    if not os.path.exists(data):
+      env = envs.make(c.env.name, **c.env.kwargs.to_dict())
+      write_jsonl(data, demonstrations(env, c.sft.examples, seed=c.sft.seed,
+                                       tool_fraction=c.sft.tool_fraction))
+  records = [render(model.tokenizer, m, c.agent.template, f"sft:{i}")
+             for i, m in enumerate(read_jsonl(data))]
+  lc = learner_config(c)
+  with lc.unlocked():
+    lc.checkpoint.dir = os.path.join(out_dir, "checkpoints")
+    lc.log.dir = out_dir
+  learner = Learner(lc, model=model)
+  for i, r in enumerate(records):
+    try:
+      validate(r, **learner.record_limits)
+    except TrajectoryError as e:
+      raise SFTDataError(f"{data}: conversation {i + 1}: {e} (raise packing.row_len or "
+                         "shorten it)") from None
+  learner.restore()
+  start = learner.version
+  bar = None
+  if progress and start < c.sft.steps:
+    from tqdm import tqdm
+    bar = tqdm(total=c.sft.steps, initial=start, desc="sft steps", unit="step",
+               file=sys.stderr, dynamic_ncols=True)
+  first = last = None
+  done = False
+  try:
+    for k in range(start, c.sft.steps):
+      if stop is not None and stop.is_set():
+        break
+      if done_when is not None and done_when(k, learner.params):
+        done = True
+        break
+      idx = batch_indices(len(records), c.sft.batch_size, k, c.sft.seed)
+      m = learner.update([records[i] for i in idx], log_ids=False)
+      first = m["loss"] if first is None else first
+      last = m["loss"]
+      learner.save()
+      if bar is not None:
+        bar.update(1)
+        bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{m['tokens_per_s']:.0f}")
+      if on_step is not None:
+        on_step(learner.version, m)
+    learner.save(force=True)
+    done = done or learner.version >= c.sft.steps
+    export = os.path.join(out_dir, "export")
+    if done and _export_step(export) != learner.version:
+      _export(learner, export)
+    params = learner.snapshot_params()
+  finally:
+    if bar is not None:
+      bar.close()
+    learner.close()
+  return dict(stage="sft", steps=learner.version, finished=done, examples=len(records),
+              data=data, resumed_from=start, loss_first=first, loss_last=last,
+              export=export if done else None, wall_s=round(time.time() - t0, 1),
+              params=params)
+
+
+EXPORT_STAMP = "fr_jax_export.json"  # in the export: the SFT step its weights are from
+
+
+def _export_step(export: str) -> int | None:
+  try:
+    return int(json.loads(open(os.path.join(export, EXPORT_STAMP)).read())["step"])
+  except (OSError, ValueError, KeyError, TypeError):
+    return None
+
+
+def _export(learner, export: str) -> None:
+  """The HF export with its stamp, swapped in whole (`durable.write_dir`): a kill leaves the
+  previous export or none, never one that looks complete and is not."""
+
+  def fill(d):
+    learner.export_hf(d)
+    (d / EXPORT_STAMP).write_text(json.dumps({"step": learner.version}))
+
+  durable.clean_partial(os.path.dirname(export) or ".", prefix=f".{os.path.basename(export)}.")
+  durable.write_dir(export, fill)

@@ -121,8 +121,7 @@ def main(argv):
   stages = {}
   warm = None
   if c.sft.steps:
-    from fr_jax.sft import SFTDataError
-    from launch.sft import warm_start
+    from fr_jax.sft import SFTDataError, warm_start
     if evals:
       stages["base"] = evals.run("base", 0, model.params, "the base model")
     try:

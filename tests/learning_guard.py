@@ -4,7 +4,7 @@ learns, through the production path, a task it learns in about a minute.
   python -m tests.learning_guard --out=/tmp/guard [--fault=advantage_sign|drop_truncated]
 
 The task is `digits` (copy): the prompt "key: abcd 7" asks for its digit, and an episode cut
-by the token limit earns 0. The warm start (`launch.sft.warm_start`, the production SFT, on a
+by the token limit earns 0. The warm start (`fr_jax.sft.warm_start`, the production SFT, on a
 JSONL file written here as a user's would be) shows the digit first; in half of the
 conversations a run of letters follows it, longer than the turn's 8 tokens. The warm-started
 model therefore copies the digit (not always the right one) and then rambles about half of
@@ -142,7 +142,7 @@ def main(argv):
   from fr_jax import envs, sft, system
   from fr_jax.evaluate import evaluate
   from fr_jax.models import registry
-  from launch.sft import warm_start
+  from fr_jax.sft import warm_start
   t0 = time.perf_counter()
   os.makedirs(F.out, exist_ok=True)
   c = config(F.out, F.updates, F.seed, F.fixed_lag)

@@ -10,10 +10,10 @@ import pytest
 
 from experiments.replication import comparisons as comps
 from experiments.replication import driver, stats
-from fr_jax import envs
+from fr_jax import envs, sft
 from fr_jax.envs.digits import Digits, first_digit
 from fr_jax.models.tokenizer import Tokenizer
-from fr_jax.rollout.agent import AgentLoop
+from tests.test_sft import _rollout
 
 
 def test_t975_matches_printed_tables():
@@ -83,36 +83,34 @@ def test_digits_rewards_and_tool():
   assert not train & {copy.task("test", i).task_id for i in range(copy.test_size)}
 
 
-def test_demonstration_tokens_render_like_rollouts():
-  s = driver.Setting(tool=True, max_turns=3, max_new_tokens=8)
+def test_demonstrations_render_like_rollouts():
+  """Each warm-start conversation, rendered by `sft.render`, is token for token the rollout the
+  agent loop makes when it plays the conversation's turns (a scripted engine) on its task; the
+  conversation is scored as its answer says, and calls the tool only when asked to."""
   tok = Tokenizer.byte_level()
-  env = s.env()
-  loop = AgentLoop(None, tok, env, s.agent())
-  rng = np.random.default_rng(0)
-  end = tok.token_id("<|im_end|>")
-  saw_call = False
-  for i in range(20):
-    task = env.task("train", i)
-    ids, mask = driver.demo_tokens(s, loop, task, rng)
-    assert len(ids) == len(mask)
-    start = loop.start(task)
-    assert ids[:len(start.prompt_ids)] == start.prompt_ids and not any(mask[:len(start.prompt_ids)])
-    # Masked runs are model turns ending in <|im_end|>; they decode to the demo's text.
-    turns, cur = [], []
-    for t, m in zip(ids, mask):
-      if m:
-        cur.append(t)
-        if t == end:
-          turns.append(tok.decode(cur[:-1]))
-          cur = []
-    assert not cur
-    if turns[0] == "?":
-      saw_call = True
-      assert tok.encode(f"= {task.answer}", add_bos=False)[0] in ids  # the observation
-      assert len(turns) == 2
-    ans = first_digit(turns[-1])
-    assert ans is not None
-  assert saw_call
+  saw = set()
+  for tool in (True, False):
+    env = Digits(tool=tool)
+    for i in range(12):
+      task, use_tool = env.task("train", i), i % 3 != 0
+      msgs = env.demonstration(task, use_tool, correct_rate=0.5, max_filler=10)
+      want = sft.render(tok, msgs, "chatml")
+      turns = [m["content"] for m in msgs if m["role"] == "assistant"]
+      traj, _ = _rollout(tok, env, task, turns, max_turns=3)
+      assert traj.prompt_tokens.tolist() == want.prompt_tokens.tolist()
+      assert traj.completion_tokens.tolist() == want.completion_tokens.tolist()
+      assert traj.action_mask.tolist() == want.action_mask.tolist()
+      assert turns[:-1] == (["?"] if tool and use_tool else [])
+      assert traj.reward == float(first_digit(turns[-1]) == task.answer)
+      saw.add((tool, len(turns), traj.reward))
+  assert {(True, 2, 1.0), (True, 2, 0.0), (False, 1, 1.0), (False, 1, 0.0)} <= saw
+  # The driver's mix: copy demonstrations in the tool task's at about copy_mix, tool calls in
+  # about tool_rate of the rest.
+  s = driver.Setting(tool=True, sft_steps=50, sft_batch=20, copy_mix=0.3, tool_rate=0.75)
+  convs = driver.demonstrations(s, seed=0)
+  copy = np.mean([m[0]["content"].count(" ") == 2 for m in convs])  # "key: abcd 7"
+  calls = np.mean([m[1]["content"] == "?" for m in convs if m[0]["content"].count(" ") == 1])
+  assert len(convs) == 1000 and abs(copy - 0.3) < 0.05 and abs(calls - 0.75) < 0.05
 
 
 def test_driver_samples_at_the_exact_lag():

@@ -18,7 +18,6 @@ from fr_jax.models import decoder, registry
 from fr_jax.models.tokenizer import Tokenizer
 from fr_jax.rollout.agent import AgentConfig, AgentLoop
 from fr_jax.rollout.engine import Completion
-from launch.sft import learner_config, warm_start
 from tests.helpers import forward
 
 
@@ -217,7 +216,7 @@ def test_sft_loss_is_the_mean_nll_of_assistant_tokens(tmp_path, reduction):
     nll.append(-lp[mask])
   want = (np.concatenate(nll).mean() if reduction == "token_mean"
           else np.mean([x.mean() for x in nll]))
-  learner = Learner(learner_config(c), model=model)
+  learner = Learner(sft.learner_config(c), model=model)
   m = learner.update(recs)
   assert m["loss"] == pytest.approx(float(want), rel=1e-5)
   assert m["ratio_mean"] == pytest.approx(1.0) and m["acceptance_rate"] == 1.0
@@ -230,7 +229,7 @@ def _flat(params):
 
 def test_sft_resume_equals_an_uninterrupted_run(tmp_path):
   c = _tiny_config(tmp_path, steps=4)
-  full = warm_start(c, registry.load("tiny-chat"), str(tmp_path / "full"), progress=False)
+  full = sft.warm_start(c, registry.load("tiny-chat"), str(tmp_path / "full"), progress=False)
   assert full["finished"] and full["steps"] == 4 and full["resumed_from"] == 0
   stop = threading.Event()
 
@@ -238,10 +237,10 @@ def test_sft_resume_equals_an_uninterrupted_run(tmp_path):
     if step == 2:
       stop.set()
 
-  part = warm_start(c, registry.load("tiny-chat"), str(tmp_path / "cut"), stop=stop,
+  part = sft.warm_start(c, registry.load("tiny-chat"), str(tmp_path / "cut"), stop=stop,
                     progress=False, on_step=halt)
   assert not part["finished"] and part["steps"] == 2 and part["export"] is None
-  rest = warm_start(c, registry.load("tiny-chat"), str(tmp_path / "cut"), progress=False)
+  rest = sft.warm_start(c, registry.load("tiny-chat"), str(tmp_path / "cut"), progress=False)
   assert rest["finished"] and rest["resumed_from"] == 2 and rest["steps"] == 4
   np.testing.assert_allclose(_flat(rest["params"]), _flat(full["params"]), rtol=0, atol=1e-6)
   # The data file was written once and read back; the export loads as a model.
@@ -253,7 +252,7 @@ def test_sft_resume_equals_an_uninterrupted_run(tmp_path):
   loaded = registry.load(f"hf:{rest['export']}")
   np.testing.assert_allclose(_flat(loaded.params), _flat(rest["params"]), rtol=0, atol=0)
   # A finished warm start is found finished, not redone.
-  again = warm_start(c, registry.load("tiny-chat"), str(tmp_path / "cut"), progress=False)
+  again = sft.warm_start(c, registry.load("tiny-chat"), str(tmp_path / "cut"), progress=False)
   assert again["resumed_from"] == 4 and again["loss_first"] is None
 
 
@@ -272,14 +271,14 @@ def test_sft_crash_then_more_steps_keeps_one_metric_row_per_step_and_a_fresh_exp
       raise Crash
 
   with pytest.raises(Crash):
-    warm_start(c, registry.load("tiny-chat"), out, progress=False, on_step=crash)
-  done = warm_start(c, registry.load("tiny-chat"), out, progress=False)
+    sft.warm_start(c, registry.load("tiny-chat"), out, progress=False, on_step=crash)
+  done = sft.warm_start(c, registry.load("tiny-chat"), out, progress=False)
   assert done["resumed_from"] == 2 and done["finished"]
   steps = [json.loads(line)["step"] for line in open(tmp_path / "run" / "metrics.jsonl")
            if '"loss"' in line]
   assert steps == [1, 2, 3, 4]
   c.sft.steps = 6
-  more = warm_start(c, registry.load("tiny-chat"), out, progress=False)
+  more = sft.warm_start(c, registry.load("tiny-chat"), out, progress=False)
   assert more["resumed_from"] == 4 and more["steps"] == 6 and more["finished"]
   loaded = registry.load(f"hf:{more['export']}")
   np.testing.assert_allclose(_flat(loaded.params), _flat(more["params"]), rtol=0, atol=0)

@@ -10,9 +10,10 @@ batches, made repeatable. Everything else (packing, the jitted step, the objecti
 AdamW, the agent loop, the engine's behaviour log-probs) is the production code.
 
 Warm start: a tiny random model cannot earn reward on anything, and the paper starts from
-instruct models that know the format. `warm_start` fine-tunes the random model on demonstrations
-(`Digits.demonstration`: random filler lengths, some past the token limit; the tool called
-in a set share of them) until it can copy a digit it sees, so RL starts from a model that
+instruct models that know the format. `warm_start` fine-tunes the random model with the
+production warm start (`fr_jax.sft.warm_start`) on demonstrations (`Digits.demonstration`:
+random filler lengths, some past the token limit; the tool called in a set share of them)
+until it can copy a digit it sees, so RL starts from a model that
 answers ~50-75% of held-out tasks and has length and tool-use habits to change. The warm
 start is deterministic per (setting, seed) and shared by the arms of a comparison, so arms
 differ only in what the comparison varies.
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import pickle
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,15 +31,16 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
+from fr_jax import config as rcfg
 from fr_jax import objective as obj
+from fr_jax import sft
 from fr_jax.envs.base import prompt_dataset
 from fr_jax.envs.digits import Digits
 from fr_jax.evaluate import evaluate
 from fr_jax.learner import config as lcfg
 from fr_jax.learner.learner import Learner
-from fr_jax.models import decoder, registry, scoring
+from fr_jax.models import decoder, registry
 from fr_jax.rollout.agent import AgentConfig, AgentLoop
 from fr_jax.rollout.embedded import EmbeddedEngine
 from fr_jax.trajectory import validate
@@ -110,110 +112,80 @@ class Setting:
 
 # --- warm start -------------------------------------------------------------------------------
 
-def demo_tokens(setting: Setting, loop: AgentLoop, task, rng) -> tuple[list[int], list[bool]]:
-  """Token ids of one demonstration episode, rendered exactly as the agent loop renders a
-  rollout, and the mask of model-turn tokens (the supervised targets)."""
-  tok = loop.tok
-  end = tok.token_id("<|im_end|>")
-  ep = loop.start(task)
-  ids, mask = list(ep.prompt_ids), [False] * len(ep.prompt_ids)
-  env_ep = loop.env.start(task)
-  for turn in setting.env().demonstration(task, rng, tool_rate=setting.tool_rate,
-                                          correct_rate=setting.correct_rate,
-                                          max_filler=setting.max_filler):
-    t = tok.encode(turn, add_bos=False) + [end]
-    ids += t
-    mask += [True] * len(t)
-    obs, done = env_ep.observe(turn)
-    if done:
-      break
-    u = loop.user_turn_ids(obs)
-    ids += u
-    mask += [False] * len(u)
-  return ids, mask
+def demonstrations(setting: Setting, seed: int) -> list[list[dict]]:
+  """The warm start's conversations: sft_steps * sft_batch demonstrations
+  (`Digits.demonstration`) of random train tasks, each calling the tool with probability
+  tool_rate. The tool task's can mix in copy demonstrations (`copy_mix`): copying a digit from
+  the context is then a skill the model has, and calling the tool is what puts the digit
+  there."""
+  rng = np.random.default_rng([seed, 404])
+  envs = (setting.env(), Digits(tool=False))
+  out = []
+  for i in rng.integers(0, envs[0].split_size("train"), setting.sft_steps * setting.sft_batch):
+    env = envs[bool(rng.random() < setting.copy_mix)]
+    out.append(env.demonstration(env.task("train", int(i)), bool(rng.random() < setting.tool_rate),
+                                 correct_rate=setting.correct_rate,
+                                 max_filler=setting.max_filler))
+  return out
+
+
+def sft_config(setting: Setting, seed: int, data: str):
+  """The warm start's run config (`fr_jax.sft.warm_start`): AdamW at a constant sft_lr without
+  weight decay, every assistant token weighed the same, one checkpoint at the end."""
+  c = rcfg.default_config()
+  c.model.remat, c.model.seed = False, seed
+  c.agent.template = "chatml"
+  s = c.sft
+  s.steps = setting.sft_max_steps if setting.copy_check > 0 else setting.sft_steps
+  s.data, s.batch_size, s.lr, s.warmup_frac = data, setting.sft_batch, setting.sft_lr, 0.0
+  s.seed = seed
+  s.reduction, s.checkpoint_every = "token_mean", s.steps
+  c.optim.min_lr_ratio, c.optim.weight_decay = 1.0, 0.0
+  c.checkpoint.async_save = False
+  c.packing.row_len = 128  # a demonstration has at most ~105 tokens; short rows are faster here
+  c.packing.row_buckets = (1, 2, 4, 8, 12, 16, 24, 32)
+  c.log.peak_flops = 1e11  # no start-up matmul measurement
+  return c
 
 
 _WARM: dict = {}
-CACHE_DIR: str | None = None  # if set, warm starts are also kept there as pickles
+CACHE_DIR: str | None = None  # if set, warm starts are kept there (the runner resumes them)
 
 
 def warm_start(setting: Setting, seed: int):
   """(host params, info) of the warm-started model for (setting's warm-start fields, seed),
-  cached in this process (and in CACHE_DIR when set: the runner resumes without redoing
-  them). info: supervised steps taken and the copy skill reached."""
+  kept in this process and, when CACHE_DIR is set, found there again by a later process.
+  info: supervised steps taken and the copy skill reached."""
   key = (setting.warm_key(), seed)
-  if key in _WARM:
-    return _WARM[key]
-  path = None
-  if CACHE_DIR:
+  if key not in _WARM:
     digest = hashlib.sha1(repr(key).encode()).hexdigest()[:16]
-    path = Path(CACHE_DIR) / f"warm-{digest}.pkl"
-    if path.exists():
-      _WARM[key] = pickle.loads(path.read_bytes())
-      return _WARM[key]
-  _WARM[key] = _warm_start(setting, seed)
-  if path is not None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(pickle.dumps(_WARM[key]))
-    tmp.replace(path)
+    root = Path(CACHE_DIR) if CACHE_DIR else Path(tempfile.mkdtemp(prefix="fr_jax_warm-"))
+    _WARM[key] = _warm_start(setting, seed, root / f"warm-{digest}")
   return _WARM[key]
 
 
-def _warm_start(setting: Setting, seed: int):
+def _warm_start(setting: Setting, seed: int, out: Path):
+  """The production warm start (`fr_jax.sft.warm_start`) on `demonstrations`: at least sft_steps
+  steps, then more, checked every 200, until the model copies (copy_check) or sft_max_steps."""
   model = load_model(seed, setting.width)
-  cfg, tok = model.config, model.tokenizer
-  env = setting.env()
-  loop = AgentLoop(None, tok, env, setting.agent())
   copy = dataclasses.replace(setting, tool=False)
-  copy_loop = AgentLoop(None, tok, copy.env(), copy.agent())
-  rng = np.random.default_rng([seed, 404])
-  n = setting.sft_steps * setting.sft_batch
-  seqs = []
-  for i in rng.integers(0, env.split_size("train"), n):
-    # The tool task's warm start can mix in copy demos: copying a digit from the context is
-    # then a skill the model has, and calling the tool is what puts the digit there.
-    s, lp = (copy, copy_loop) if rng.random() < setting.copy_mix else (setting, loop)
-    seqs.append(demo_tokens(s, lp, lp.env.task("train", int(i)), rng))
-  L = max(len(s) for s, _ in seqs)
-  ids = np.zeros((n, L), np.int32)
-  mask = np.zeros((n, L), bool)
-  for i, (s, m) in enumerate(seqs):
-    ids[i, :len(s)], mask[i, :len(m)] = s, m
-  # Targets: token j+1 predicted at j.
-  inputs, targets, tmask = ids[:, :-1], ids[:, 1:], mask[:, 1:]
-  pos = np.broadcast_to(np.arange(L - 1), inputs.shape)
-  opt = optax.adamw(setting.sft_lr, weight_decay=0.0)
+  out.mkdir(parents=True, exist_ok=True)
+  data = out / "demonstrations.jsonl"
+  if not data.exists():
+    sft.write_jsonl(data, demonstrations(setting, seed))
 
-  def loss_fn(p, x, y, m, pp):
-    logp, _ = scoring.score_packed(p, cfg, x, y, pp, (x > -1).astype(jnp.int32))
-    return -(logp * m).sum() / jnp.maximum(m.sum(), 1)
-
-  @jax.jit
-  def sft_step(p, s, x, y, m, pp):
-    loss, g = jax.value_and_grad(loss_fn)(p, x, y, m, pp)
-    u, s = opt.update(g, s, p)
-    return optax.apply_updates(p, u), s, loss
-
-  p = model.params
-  s = opt.init(p)
-  B = setting.sft_batch
-  k = 0
-  skill = None
-  while True:
-    for _ in range(setting.sft_steps if k == 0 else 200):
-      j = (k % setting.sft_steps) * B  # later chunks cycle over the same demos
-      sl = slice(j, j + B)
-      p, s, _ = sft_step(p, s, inputs[sl], targets[sl], tmask[sl], pos[sl])
-      k += 1
-    if setting.copy_check <= 0 or k >= setting.sft_max_steps:
-      break  # (info keeps the last check's skill)
+  def copies(step, params):
     # Copying a digit from the context is learned suddenly, after a seed-dependent number of
     # steps; a warm start that has not got there would make its seed a different experiment.
-    skill = copy_skill(cfg, p, tok, copy)
-    if skill >= setting.copy_check:
-      break
-  return jax.device_get(p), dict(steps=k, copy_skill=skill)
+    return (step >= setting.sft_steps and (step - setting.sft_steps) % 200 == 0
+            and copy_skill(model.config, params, model.tokenizer, copy) >= setting.copy_check)
+
+  w = sft.warm_start(sft_config(setting, seed, str(data)), model, str(out), progress=False,
+                     done_when=copies if setting.copy_check > 0 else None)
+  params = jax.device_get(w["params"])
+  skill = (copy_skill(model.config, params, model.tokenizer, copy)
+           if setting.copy_check > 0 else None)
+  return params, dict(steps=w["steps"], copy_skill=skill)
 
 
 def copy_skill(cfg, params, tok, copy: Setting, n: int = 64) -> float:

@@ -2,7 +2,7 @@
 on the agent demo's task (`tool_arithmetic`: easy items answered directly, hard ones needing
 the tool, 0.1 reward per call), signed against positive-only advantages.
 
-Every run starts from one supervised warm start (the agent demo's, `launch.sft.warm_start`
+Every run starts from one supervised warm start (the agent demo's, `fr_jax.sft.warm_start`
 with the `cpu_agent` config), computed once and shared by every arm and seed, so arms differ
 only in the advantage. RL is the production learner (the cpu_agent config's objective,
 optimiser and packing) on rollouts of the real agent loop and embedded engine, sampled at an
@@ -76,18 +76,21 @@ def _evaluate(c, s: LMSetting, model, params, env) -> dict:
                   temperature=t or 1.0)
 
 
+_WARM: dict = {}
+
+
 def warm_model(s: LMSetting, log=None):
   """The shared warm start: (model with the SFT parameters, greedy held-out evaluation of it),
-  cached under driver.CACHE_DIR (or computed in a temporary folder)."""
+  kept in this process and under driver.CACHE_DIR (or computed in a temporary folder)."""
   import tempfile
 
   from fr_jax import envs
   from fr_jax.models import registry
-  from launch.sft import warm_start
+  from fr_jax.sft import warm_start
   c = s.run_config(0)
   key = f"lm-{s.config}"
-  if key in driver._WARM:
-    return driver._WARM[key]
+  if key in _WARM:
+    return _WARM[key]
   root = Path(driver.CACHE_DIR) if driver.CACHE_DIR else Path(tempfile.mkdtemp())
   out = root / key
   model = registry.load_configured(c.model)
@@ -102,8 +105,8 @@ def warm_model(s: LMSetting, log=None):
     env = envs.make(c.env.name, **c.env.kwargs.to_dict())
     ev = _evaluate(c, s, model, model.params, env)
     path.write_text(json.dumps(ev))
-  driver._WARM[key] = (model, ev, {k: w[k] for k in ("steps", "loss_last")})
-  return driver._WARM[key]
+  _WARM[key] = (model, ev, {k: w[k] for k in ("steps", "loss_last")})
+  return _WARM[key]
 
 
 def run(s: LMSetting, seed: int, *, log: Callable[[str], None] | None = None) -> dict:

@@ -11,10 +11,10 @@ runs on makes a long failure.
   call: the environment answers "= d" and the episode goes on (up to the agent's turn limit).
   Without calling, the model can only guess (1 in 10).
 
-`demonstration` writes example episodes for a supervised warm start (random filler length,
-some too long to finish within the limit; a chosen tool-call rate and rate of correct
-answers), so that reinforcement learning starts from a model that knows the format and has
-habits to change (length, tool use), as it does from an instruct model.
+`demonstration` writes example conversations for a supervised warm start (random filler
+length, some too long to finish within the limit; a chosen rate of correct answers), so that
+reinforcement learning starts from a model that knows the format and has habits to change
+(length, tool use), as it does from an instruct model.
 """
 
 from __future__ import annotations
@@ -93,32 +93,19 @@ class Digits:
   def start(self, task: Task) -> DigitsEpisode:
     return DigitsEpisode(task, self.tool)
 
-  def demonstration(self, task: Task, rng, *, tool_rate: float = 0.5,
-                    correct_rate: float = 0.3, max_filler: int = 12) -> list[str]:
-    """Model turns of one imperfect example episode (observations are the environment's).
-    Filler length is uniform in [0, max_filler]; with the tool, the call comes first."""
-    turns = []
-    if self.tool and rng.random() < tool_rate:
-      turns.append(TOOL_PREFIX)
-    filler = "".join(_LETTERS[i] for i in rng.integers(0, 26, int(rng.integers(0, max_filler + 1))))
-    d = task.answer if rng.random() < correct_rate else int(rng.integers(0, 10))
-    turns.append(f"{filler} {d}" if filler else str(d))
-    return turns
-
-  def sft_demonstration(self, task: Task, use_tool: bool, *, correct_rate: float = 0.6,
-                        max_filler: int = 4) -> list[dict]:
-    """An imperfect episode (`demonstration`) as a conversation for `launch.sft`'s generated
-    warm start: the tool's answer comes back as a user turn, as the agent loop renders an
-    interactive environment's observation. Short filler, so that it fits a turn, and a wrong
-    digit 40% of the time, so that reinforcement learning has something left to fix. Filler
-    and correctness are drawn from the task's id: a task always gets the same
+  def demonstration(self, task: Task, use_tool: bool, *, correct_rate: float = 0.6,
+                    max_filler: int = 4) -> list[dict]:
+    """An imperfect example episode as a conversation (`fr_jax.sft`): with the tool (and
+    `use_tool`) a call first, whose answer comes back as a user turn, as the agent loop renders
+    an interactive environment's observation; then filler letters (length uniform in
+    [0, max_filler]) and a digit, the task's with probability `correct_rate`, else a random
+    one. Filler and correctness are drawn from the task's id: a task always gets the same
     demonstration."""
     rng = np.random.default_rng(stable_hash(task.task_id) % 2**32)
-    turns = self.demonstration(task, rng, tool_rate=float(use_tool and self.tool),
-                               correct_rate=correct_rate, max_filler=max_filler)
     msgs = [{"role": "user", "content": task.prompt}]
-    for i, turn in enumerate(turns):
-      msgs.append({"role": "assistant", "content": turn})
-      if i + 1 < len(turns):
-        msgs.append({"role": "user", "content": f"= {task.answer}"})
-    return msgs
+    if self.tool and use_tool:
+      msgs += [{"role": "assistant", "content": TOOL_PREFIX},
+               {"role": "user", "content": f"= {task.answer}"}]
+    filler = "".join(_LETTERS[i] for i in rng.integers(0, 26, int(rng.integers(0, max_filler + 1))))
+    d = task.answer if rng.random() < correct_rate else int(rng.integers(0, 10))
+    return msgs + [{"role": "assistant", "content": f"{filler} {d}" if filler else str(d)}]

@@ -131,7 +131,8 @@ def demonstrations(setting: Setting, seed: int) -> list[list[dict]]:
 
 def sft_config(setting: Setting, seed: int, data: str):
   """The warm start's run config (`fr_jax.sft.warm_start`): AdamW at a constant sft_lr without
-  weight decay, every assistant token weighed the same, one checkpoint at the end."""
+  weight decay or clipping, every assistant token weighed the same, one checkpoint at the
+  end."""
   c = rcfg.default_config()
   c.model.remat, c.model.seed = False, seed
   c.agent.template = "chatml"
@@ -141,6 +142,7 @@ def sft_config(setting: Setting, seed: int, data: str):
   s.seed = seed
   s.reduction, s.checkpoint_every = "token_mean", s.steps
   c.optim.min_lr_ratio, c.optim.weight_decay = 1.0, 0.0
+  c.optim.clip_norm = float("inf")  # no clipping
   c.checkpoint.async_save = False
   c.packing.row_len = 128  # a demonstration has at most ~105 tokens; short rows are faster here
   c.packing.row_buckets = (1, 2, 4, 8, 12, 16, 24, 32)

@@ -58,18 +58,6 @@ def batches(n, B=8, seed=0, **kw):
   return [synthetic.take(it, B) for _ in range(n)]
 
 
-def accumulated(learner, trajs):
-  """The summed gradient and loss sums of the batch at the learner's parameters, nothing
-  applied, through the learner's own accumulate programs (those its updates run)."""
-  mean = float(np.mean([t.reward for t in trajs]))
-  _, stats, dbs = learner._micro_batches(trajs, mean, None)
-  acc = None
-  for db in dbs:
-    exe, _ = learner._executable("accumulate", learner.params, acc, db, stats)
-    acc, _ = exe(learner.params, acc, db, stats)
-  return len(dbs), jax.device_get(acc)
-
-
 def max_diff(a, b):
   """The largest absolute difference between two pytrees of arrays, in float64."""
   return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))

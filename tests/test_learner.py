@@ -19,7 +19,7 @@ from fr_jax.learner.metrics import read_jsonl
 from fr_jax.models import decoder, registry
 from fr_jax.trajectory import TrajectoryError, validate
 from tests import learner_driver
-from tests.helpers import accumulated, batches, forward, max_diff, tiny_config
+from tests.helpers import batches, forward, max_diff, tiny_config
 
 
 def test_mesh_4x2_equals_single_device():
@@ -111,7 +111,7 @@ def test_grad_accumulation_over_4_micro_batches_equals_one_pass():
   (b,) = batches(1, fixed_completion=40)  # 45-56 tokens each: one per 64-token row
   L1 = Learner(tiny_config(**{"packing.row_len": 64}))
   L4 = Learner(tiny_config(**{"packing.row_len": 64, "packing.row_buckets": (2,)}))
-  (n1, g1), (n4, g4) = accumulated(L1, b), accumulated(L4, b)
+  (n1, g1), (n4, g4) = L1.accumulated(b), L4.accumulated(b)
   assert n1 == 1 and n4 == 4
   assert float(optim.optax.tree.norm(g1["grads"])) > 0
   assert max_diff(g1["grads"], g4["grads"]) <= 1e-5

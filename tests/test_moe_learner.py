@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 from fr_jax.learner import mesh as meshlib
 from fr_jax.learner.learner import Learner
 from fr_jax.models import decoder, registry
-from tests.helpers import accumulated, batches, max_diff, tiny_config
+from tests.helpers import batches, max_diff, tiny_config
 
 MODEL = "tiny-qwen3-moe"
 EXPERTS = ("experts_gate", "experts_up", "experts_down")
@@ -67,11 +67,11 @@ def test_mesh_equals_single_device(model, data, replay, impl):
                                                        "mesh.fsdp": shape[1]}), model=model)
             for shape in ((4, 2), (1, 8))}
   # The same gradient, subtree by subtree (the experts' are ~30x smaller than the rest's).
-  _, g1 = accumulated(single, data[0])
+  _, g1 = single.accumulated(data[0])
   g1, loss1 = g1["grads"], float(g1["sums"]["loss"])
   assert largest(g1["moe"]) > 1e-5
   for shape, L in meshes.items():
-    _, g = accumulated(L, data[0])
+    _, g = L.accumulated(data[0])
     g, loss = g["grads"], float(g["sums"]["loss"])
     assert loss == pytest.approx(loss1, rel=1e-5, abs=1e-7), shape
     for k in g1:

@@ -3,6 +3,8 @@ for SmolLM2-135M, fr_jax against a PyTorch + transformers peer on the same data.
 
   .venv/bin/python -m experiments.benchmarks.learner [--repeats=3] [--cases=fixed,ragged]
   .venv/bin/python -m experiments.benchmarks.learner --cases=long [--long_lens=4096,8192]
+  .venv/bin/python -m experiments.benchmarks.learner --cases=ragged --minibatches=4 \
+      --notorch_peer   # one update() call makes 4 consecutive steps of B/4 (timed per call)
 
 Cases:
   fixed:  B=8 trajectories of 256 tokens (64 prompt + 192 completion, 10% tool tokens).
@@ -45,6 +47,8 @@ flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "fr_jax compute dtypes")
 flags.DEFINE_bool("torch_peer", True, "run the PyTorch + transformers peer")
 flags.DEFINE_list("long_lens", ["4096", "8192", "16384"], "row lengths of the long case")
 flags.DEFINE_string("attention", None, "model.attention for fr_jax (default: the config's)")
+flags.DEFINE_integer("minibatches", 1, "fr_jax: split each case's batch into this many "
+                     "consecutive updates (the sequential-minibatch ablation)")
 flags.DEFINE_integer("long_one", 0, "internal: measure one long row of this many tokens")
 flags.DEFINE_bool("long_run", True, "long case: also run one update (peak RSS, time), not "
                   "only compile it")
@@ -228,7 +232,7 @@ def main(argv):
     times = {}
     for dtype in F.dtypes:
       c = lcfg.default_config()
-      c.batch_size = len(trajs)
+      c.batch_size, c.minibatches = len(trajs) // F.minibatches, F.minibatches
       c.model.compute_dtype = dtype
       c.packing.row_len = CASES[case]["row_len"]
       c.packing.row_buckets = CASES[case]["buckets"]
@@ -245,6 +249,7 @@ def main(argv):
       m = ms[-1]
       times[dtype] = med
       emit("update", case=case, impl="fr_jax", compute=dtype, trajectories=len(trajs),
+           minibatches=F.minibatches,
            tokens=n_tok, buffer_tokens=int(round(n_tok / m["packing_efficiency"])),
            micro_batches=m["micro_batches"], median_s=round(med, 3),
            all_s=[round(t, 3) for t in ts], tokens_per_s=round(n_tok / med, 1),

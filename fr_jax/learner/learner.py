@@ -5,7 +5,9 @@ into bucket-shaped micro-batches, computes the whole batch's normalisers, accumu
 micro-batch gradients and makes exactly one optimizer step (k steps in the sequential-
 minibatch ablation), then returns the step's metrics (also written to JSONL/TensorBoard).
 Nothing is replayed. Each (micro-batch shape, final or not) compiles once, ahead of time, and
-the MFU figure counts its model FLOPs analytically (`ModelConfig.train_flops`).
+the MFU figure counts its model FLOPs analytically (`ModelConfig.train_flops`). An update
+enqueues all its work before it reads anything back, computes the host's share of the metrics
+while the device runs, then waits once.
 
 A step whose loss or gradient is not finite applies nothing (the step's guard); its records
 are reported in `skipped_traj_ids`, and `find_offenders` names the ones responsible by
@@ -198,9 +200,10 @@ class Learner:
       dbs.append(self._device_batch(b, vals))
     return packed, stats, dbs
 
-  def _apply(self, trajs: Sequence[Trajectory], lags: np.ndarray, reward_mean: float,
-             advantages: np.ndarray | None) -> dict:
-    t0 = time.perf_counter()
+  def _dispatch(self, trajs: Sequence[Trajectory], reward_mean: float,
+                advantages: np.ndarray | None) -> tuple:
+    """Packs `trajs` and enqueues their micro-batches, the last one applying the step; waits
+    for nothing. Returns (packed batch, FLOPs, device metrics, device per-slot values)."""
     packed, stats, dbs = self._micro_batches(trajs, reward_mean, advantages)
     acc, flops, segments = None, 0.0, []
     for i, db in enumerate(dbs):
@@ -212,41 +215,23 @@ class Learner:
         self.state, m, seg = exe(self.state, acc, db, stats)
       segments.append(seg)
       flops += f
-    m = {k: (bool(v) if k == "finite" else float(v)) for k, v in jax.device_get(m).items()}
-    dt = time.perf_counter() - t0
-    o = self.config.objective
-    m.update(diagnostics.record_metrics(
-        trajs, lags, packed, jax.device_get(segments), replay=self.step_config.replay,
-        counterfactual=self.step_config.routing_counterfactual and o.loss != "sft"))
-    m.update(
-        step_time_s=dt, tokens=packed.real_tokens, tokens_per_s=packed.real_tokens / dt,
-        packing_efficiency=packed.efficiency, micro_batches=len(packed.batches),
-        policy_lag_mean=float(np.mean(lags)), policy_lag_max=int(max(lags)),
-        reward_mean=float(np.mean([t.reward for t in trajs])),
-        response_length=float(np.mean([t.completion_tokens.shape[0] for t in trajs])),
-        truncation_rate=float(np.mean([t.truncated for t in trajs])),
-        tool_calls=float(np.mean([t.num_tool_calls for t in trajs])),
-        turns=float(np.mean([t.num_turns for t in trajs])),
-        flops=flops, mfu=flops / dt / self._peak, version=self.version,
-        skipped_total=int(self.state.skipped))
-    if not m["finite"]:
-      ids = [t.traj_id for t in trajs]
-      log.warning("non-finite loss or gradient: batch skipped, state kept (trajectories %s)",
-                  ids)
-      m["skipped_traj_ids"] = ids
-    return m
+    return packed, flops, m, segments
 
-  def objective_finite(self, trajs: Sequence[Trajectory]) -> bool:
-    """Whether the one-batch objective on `trajs` alone (with their own B, mean reward and
-    token count) has a finite loss and gradient. Applies nothing."""
-    rewards = np.array([t.reward for t in trajs], np.float64)
+  def accumulated(self, trajs: Sequence[Trajectory]) -> tuple[int, dict]:
+    """(micro-batches, accumulated gradient and metric sums) of the one-batch objective on
+    `trajs` alone (their own B, mean reward and token count) at the current parameters,
+    through the programs updates run. Applies nothing."""
     adv = self._grpo_advantages(trajs) if self.config.objective.loss == "grpo" else None
-    packed, stats, dbs = self._micro_batches(trajs, float(np.mean(rewards)), adv)
+    _, stats, dbs = self._micro_batches(trajs, float(np.mean([t.reward for t in trajs])), adv)
     acc = None
     for db in dbs:
       exe, _ = self._executable("accumulate", self.state.params, acc, db, stats)
       acc, _ = exe(self.state.params, acc, db, stats)
-    return bool(self._jit_finite(acc))
+    return len(dbs), acc
+
+  def objective_finite(self, trajs: Sequence[Trajectory]) -> bool:
+    """Whether the one-batch objective on `trajs` alone has a finite loss and gradient."""
+    return bool(self._jit_finite(self.accumulated(trajs)[1]))
 
   @multihost.collective
   def find_offenders(self, trajs: Sequence[Trajectory]) -> list[int]:
@@ -278,16 +263,37 @@ class Learner:
     B = c.batch_size
     if lags is None:
       lags = [t.policy_lag(self.version) for t in trajs]
-    lags, v0 = np.asarray(lags, np.int64), self.version
-    m, skipped = {}, []
-    for j in range(k):
-      chunk = trajs[j * B:(j + 1) * B]
+    lags, v0, skipped0 = np.asarray(lags, np.int64), self.version, int(self.state.skipped)
+    t0 = time.perf_counter()
+    chunks = [trajs[j * B:(j + 1) * B] for j in range(k)]
+    # Every step is enqueued before anything is read back, and the host's share of the
+    # metrics is computed while the device runs; then one transfer brings every step's.
+    steps = [self._dispatch(chunk, reward_mean, None if adv is None else adv[j * B:(j + 1) * B])
+             for j, chunk in enumerate(chunks)]
+    host = [_record_means(chunk) for chunk in chunks]
+    device = jax.device_get([(m, seg) for _, _, m, seg in steps])
+    dt = (time.perf_counter() - t0) / k  # the update's time, split evenly over its k steps
+    o = self.config.objective
+    m, skipped, applied = {}, [], 0
+    for j, (chunk, (packed, flops, _, _), (dm, seg)) in enumerate(zip(chunks, steps, device)):
+      m = {key: (bool(v) if key == "finite" else float(v)) for key, v in dm.items()}
       # Each update applied before this chunk (k > 1 ablation) puts it one version further
       # behind.
-      m = self._apply(chunk, lags[j * B:(j + 1) * B] + (self.version - v0), reward_mean,
-                      None if adv is None else adv[j * B:(j + 1) * B])
+      lag = lags[j * B:(j + 1) * B] + applied
+      m.update(diagnostics.record_metrics(
+          chunk, lag, packed, seg, replay=self.step_config.replay,
+          counterfactual=self.step_config.routing_counterfactual and o.loss != "sft"))
+      applied += m["finite"]
+      m.update(host[j], step_time_s=dt, tokens=packed.real_tokens,
+               tokens_per_s=packed.real_tokens / dt, packing_efficiency=packed.efficiency,
+               micro_batches=len(packed.batches), policy_lag_mean=float(np.mean(lag)),
+               policy_lag_max=int(max(lag)), flops=flops, mfu=flops / dt / self._peak,
+               version=v0 + applied, skipped_total=skipped0 + j + 1 - applied)
       if not m["finite"]:  # nothing applied: not an update row (versions stay one per row)
-        skipped += m.pop("skipped_traj_ids")
+        ids = [t.traj_id for t in chunk]
+        log.warning("non-finite loss or gradient: batch skipped, state kept (trajectories %s)",
+                    ids)
+        skipped += ids
         self.writer.write(m["version"], m, prefix="skipped/")
         continue
       if log_ids:
@@ -355,3 +361,11 @@ class Learner:
       self.checkpointer.close()
     self.writer.close()
 
+
+def _record_means(trajs: Sequence[Trajectory]) -> dict:
+  """The metrics of a batch that its records alone give."""
+  return dict(reward_mean=float(np.mean([t.reward for t in trajs])),
+              response_length=float(np.mean([t.completion_tokens.shape[0] for t in trajs])),
+              truncation_rate=float(np.mean([t.truncated for t in trajs])),
+              tool_calls=float(np.mean([t.num_tool_calls for t in trajs])),
+              turns=float(np.mean([t.num_turns for t in trajs])))

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 
 def make(name: str, **kwargs):
-  """An environment by name: arithmetic, tool_arithmetic, countdown, textworld or
-  digits (keyword settings
-  passed on)."""
+  """An environment by name: arithmetic, tool_arithmetic, countdown, textworld or digits
+  (keyword settings passed on)."""
   from fr_jax.envs.arithmetic import Arithmetic, Countdown, ToolArithmetic
   from fr_jax.envs.digits import Digits
   from fr_jax.envs.textworld import TextWorld

@@ -113,12 +113,6 @@ def _mirror(host, root):
     _ro_bind(host, root + host)
 
 
-def _mkdirs_under(root, path):
-  target = root + path
-  os.makedirs(target, exist_ok=True)
-  return target
-
-
 def _build_root(spec):
   """The sandbox's filesystem, assembled on a tmpfs over the (host-empty) scratch directory;
   pivots into it. Runs in P: the new mount namespace, the new PID namespace's /proc."""
@@ -134,7 +128,8 @@ def _build_root(spec):
     _mirror("/etc/" + name, root)
   prefix = os.path.realpath(spec["prefix"])
   if not any(prefix == b or prefix.startswith(b + "/") for b in bound):
-    _ro_bind(prefix, _mkdirs_under(root, prefix))
+    os.makedirs(root + prefix, exist_ok=True)
+    _ro_bind(prefix, root + prefix)
   # One scratch filesystem, size-limited, for both /tmp and /dev/shm.
   stage = root + "/.scratch"
   os.mkdir(stage)

@@ -7,6 +7,7 @@ Both offer the sandboxed Python tool. Train and test tasks are disjoint by const
 from __future__ import annotations
 
 import ast
+import collections
 import dataclasses
 import json
 import operator
@@ -14,7 +15,7 @@ import re
 
 import numpy as np
 
-from fr_jax.envs.base import Task, check_split, last_number, procedural_task, split_of
+from fr_jax.envs.base import SingleAnswerEnv, Task, last_number, procedural_task, split_of
 
 TOOL_SYSTEM = (
     "You can run Python to compute. To call it, write exactly:\n"
@@ -35,7 +36,7 @@ _NAMES = ["Tom", "Ana", "Lee", "Sara", "Omar", "Mia"]
 
 
 @dataclasses.dataclass
-class Arithmetic:
+class Arithmetic(SingleAnswerEnv):
   """`What is A op B?` and word problems; difficulty = operand digits (1-4)."""
 
   difficulty: int = 2
@@ -61,10 +62,6 @@ class Arithmetic:
   def system_prompt(self) -> str:
     return TOOL_SYSTEM if self.use_tool_prompt else ""
 
-  def split_size(self, split: str) -> int:
-    check_split(split)
-    return self.train_size if split == "train" else self.test_size
-
   def _draw(self, rng) -> Task:
     d = self.difficulty
     op = self.ops[int(rng.integers(len(self.ops)))]
@@ -75,30 +72,21 @@ class Arithmetic:
     if op == "-" and b > a:
       a, b = b, a
     word = rng.random() < self.word_fraction
-    if word:
-      templates = [t for t in _WORD if t[1] == op]
-      if templates:
-        tmpl = templates[int(rng.integers(len(templates)))][0]
-        text = tmpl.format(a=a, b=b, name=_NAMES[int(rng.integers(len(_NAMES)))])
-      else:
-        word = False
-    if not word:
+    if word:  # every op in _OPS has a template
+      templates = [t for t, t_op in _WORD if t_op == op]
+      tmpl = templates[int(rng.integers(len(templates)))]
+      text = tmpl.format(a=a, b=b, name=_NAMES[int(rng.integers(len(_NAMES)))])
+    else:
       text = f"What is {a} {op.replace('*', 'x')} {b}?"
     text += " Answer with just the number."
     key = f"{self.name}:{d}:{a}{op}{b}:{int(word)}"
     return Task(self.name, key, text, _OPS[op](a, b), {"a": a, "b": b, "op": op, "word": word})
 
   def task(self, split: str, index: int) -> Task:
-    check_split(split)
-    if split == "test":
-      return self._test_tasks()[index]
-    rng = np.random.default_rng([self.seed, 1, index])
-    while True:
-      t = self._draw(rng)
-      if split_of(t.task_id) == "train":
-        return t
-
-  def _test_tasks(self) -> list[Task]:
+    """Train tasks as `procedural_task` draws them; the test split is built here, so that too
+    few distinct test tasks raise instead of looping forever."""
+    if split != "test":  # procedural_task checks the split
+      return procedural_task(self._draw, self.seed, split, index, [], self.test_size)
     if self._test is None:
       rng = np.random.default_rng([self.seed, 2])
       seen, out = set(), []
@@ -113,14 +101,11 @@ class Arithmetic:
         raise ValueError(f"only {len(out)} distinct test tasks exist at difficulty "
                          f"{self.difficulty}; lower test_size")
       self._test = out
-    return self._test
+    return self._test[index]
 
   def reward(self, task: Task, final_text: str) -> float:
     got = last_number(final_text)
     return float(got is not None and abs(got - float(task.answer)) < 1e-6)
-
-  def start(self, task):
-    return None
 
 
 # --- when to call the tool: mixed difficulty, a priced tool ----------------------------------
@@ -138,7 +123,7 @@ LEVELS = ("easy", "hard")
 
 
 @dataclasses.dataclass
-class ToolArithmetic:
+class ToolArithmetic(SingleAnswerEnv):
   """When is the tool worth its price? Easy items (1-digit + 1-digit with a 1-digit sum: a
   model answers them directly) and hard items (3-digit x 2-digit: about 0% without the
   tool), with the Python tool offered at `tool_cost` reward per call. The reward is 1 for a
@@ -173,10 +158,6 @@ class ToolArithmetic:
   def system_prompt(self) -> str:
     return TOOL_COST_SYSTEM.replace("{cost}", f"{self.tool_cost:g}")
 
-  def split_size(self, split: str) -> int:
-    check_split(split)
-    return self.train_size if split == "train" else self.test_size
-
   def _draw(self, rng, hard: bool | None = None) -> Task:
     if hard is None:
       hard = bool(rng.random() < self.hard_fraction)
@@ -196,8 +177,7 @@ class ToolArithmetic:
     """Train tasks as `procedural_task` draws them; the test split holds each level in
     proportion (item i is hard when floor((i + 1) * hard_fraction) grows at i), distinct
     items whose keys hash to test, so any prefix of it is balanced too."""
-    check_split(split)
-    if split == "train":
+    if split != "test":  # procedural_task checks the split
       return procedural_task(self._draw, self.seed, split, index, self._test, self.test_size)
     if not self._test:
       rng, seen = np.random.default_rng([self.seed, 2]), set()
@@ -213,13 +193,8 @@ class ToolArithmetic:
         self._test.append(t)
     return self._test[index]
 
-  def reward(self, task: Task, final_text: str) -> float:
-    """1 for the right number on the last line, else 0 (the tool's price is the loop's)."""
-    got = last_number(final_text)
-    return float(got is not None and abs(got - float(task.answer)) < 1e-6)
-
-  def start(self, task):
-    return None
+  # 1 for the right number on the last line, else 0 (the tool's price is the loop's).
+  reward = Arithmetic.reward
 
   def demonstration(self, task: Task, use_tool: bool) -> list[dict]:
     """A correct conversation for `task`: a tool call, its output and the answer, or the
@@ -279,7 +254,7 @@ def eval_expression(text: str) -> tuple[float | None, list[int]]:
 
 
 @dataclasses.dataclass
-class Countdown:
+class Countdown(SingleAnswerEnv):
   """Reach the target with + - * / using each given number at most once."""
 
   numbers: int = 4
@@ -297,10 +272,6 @@ class Countdown:
   system_prompt = ("Combine the given numbers with +, -, * and / (each number at most once) "
                    "to reach the target. Put the expression alone on the last line, e.g. "
                    "(3 + 5) * 2.")
-
-  def split_size(self, split):
-    check_split(split)
-    return self.train_size if split == "train" else self.test_size
 
   def _draw(self, rng) -> Task:
     nums = [int(x) for x in rng.integers(1, self.max_number + 1, self.numbers)]
@@ -320,21 +291,11 @@ class Countdown:
 
   def reward(self, task: Task, final_text: str) -> float:
     lines = [line for line in final_text.strip().splitlines() if line.strip()]
-    if not lines:
-      return 0.0
-    expr = lines[-1].split("=")[0]
+    expr = lines[-1].split("=")[0] if lines else ""
     if not _EXPR_LINE.fullmatch(expr.strip() or "?"):
       return 0.0
     value, used = eval_expression(expr)
     if value is None or abs(value - task.answer) > 1e-9:
       return 0.0
-    pool = list(task.meta["numbers"])
-    for u in used:
-      if u not in pool:
-        return 0.0
-      pool.remove(u)
-    return 1.0
-
-  def start(self, task):
-    return None
-
+    # Each given number at most once: `used` is a sub-multiset of the numbers.
+    return float(not collections.Counter(used) - collections.Counter(task.meta["numbers"]))

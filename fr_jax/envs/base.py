@@ -59,6 +59,18 @@ class Env(Protocol):
     ...
 
 
+class SingleAnswerEnv:
+  """What single-answer environments with a train and a test split share: split sizes from
+  their `train_size` and `test_size`, and no episode to start."""
+
+  def split_size(self, split: str) -> int:
+    check_split(split)
+    return self.train_size if split == "train" else self.test_size
+
+  def start(self, task: Task) -> None:
+    return None
+
+
 def stable_hash(key: str) -> int:
   return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
 

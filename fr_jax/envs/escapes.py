@@ -38,6 +38,7 @@ from fr_jax.envs.escape_host import (
 from fr_jax.envs.sandbox import Limits, ToolResult, probe, run_python
 
 QUICK = Limits(wall_seconds=5.0, cpu_seconds=2)
+FORK_BOMB = "import os\nwhile True:\n  try:\n    os.fork()\n  except OSError:\n    pass"
 
 
 @dataclasses.dataclass
@@ -58,17 +59,13 @@ def _out(r: ToolResult) -> str:
 
 # --- checks ---
 def _stopped(r, host, ctx):
-  ok = r.error in ("killed", "timeout") and r.seconds < r_limit(ctx) + 3
+  ok = r.error in ("killed", "timeout") and r.seconds < ctx["limits"].wall_seconds + 3
   return ok, f"{r.error} after {r.seconds:.1f}s"
-
-
-def r_limit(ctx):
-  return ctx["limits"].wall_seconds
 
 
 def _fork_bomb(r, host, ctx):
   left = _sandbox_leftovers(ctx["others_before"])
-  return (not r.ok and r.seconds < r_limit(ctx) + 5 and not left,
+  return (not r.ok and r.seconds < ctx["limits"].wall_seconds + 5 and not left,
           f"{r.error} after {r.seconds:.1f}s, {len(left)} processes left")
 
 
@@ -162,7 +159,6 @@ def _across_calls(a: Attempt, host: Host):
 
 
 def _concurrent_bomb(a: Attempt, host: Host):
-  bomb = ("import os\nwhile True:\n  try:\n    os.fork()\n  except OSError:\n    pass")
   innocent = ("import threading\nout = []\nt = threading.Thread(target=lambda: "
               "out.append(sum(range(10**5))))\nt.start(); t.join()\nprint('OUT', out[0])")
   results = {}
@@ -170,7 +166,7 @@ def _concurrent_bomb(a: Attempt, host: Host):
   def call(k, code, limits):
     results[k] = run_python(code, limits)
 
-  bomber = threading.Thread(target=call, args=("bomb", bomb, a.limits))
+  bomber = threading.Thread(target=call, args=("bomb", FORK_BOMB, a.limits))
   bomber.start()
   time.sleep(0.5)  # the bomb is at its limit before the others start
   others = [threading.Thread(target=call, args=(i, innocent, Limits(wall_seconds=30.0)))
@@ -183,14 +179,11 @@ def _concurrent_bomb(a: Attempt, host: Host):
   return good == 4, f"{good}/4 concurrent calls succeeded; the bomb: {results['bomb'].error}"
 
 
-CONTAINED = "print('OUT', 'contained')"
-
 ATTEMPTS = [
     Attempt("infinite_loop", "tested before", "a CPU-bound loop that never ends",
             "while True:\n  pass", _stopped, Limits(wall_seconds=4.0, cpu_seconds=1)),
-    Attempt("fork_bomb", "tested before", "os.fork() forever",
-            "import os\nwhile True:\n  try:\n    os.fork()\n  except OSError:\n    pass",
-            _fork_bomb, Limits(wall_seconds=2.0, cpu_seconds=1)),
+    Attempt("fork_bomb", "tested before", "os.fork() forever", FORK_BOMB, _fork_bomb,
+            Limits(wall_seconds=2.0, cpu_seconds=1)),
     Attempt("memory_10g", "tested before", "allocate 10 GB",
             "x = bytearray(10 * 2**30)\nprint('allocated')", _memory),
     Attempt("output_100mb", "tested before", "print 100 MB",

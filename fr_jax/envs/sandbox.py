@@ -167,18 +167,14 @@ def _own_cgroup_dirs():
   return out
 
 
-def _limit_files(kind: str) -> list[str]:
-  return (["memory.limit_in_bytes", "memory.memsw.limit_in_bytes"] if kind == "v1"
-          else ["memory.max", "memory.swap.max"])
-
-
 def _make_cgroup(kind: str, base: Path, name: str, limit: int) -> Path:
   """A child cgroup of `base` holding at most `limit` bytes (swap included); OSError if the
   kernel refuses any step."""
   d = base / name
   d.mkdir()
   try:
-    first, swap = _limit_files(kind)
+    first, swap = (("memory.limit_in_bytes", "memory.memsw.limit_in_bytes") if kind == "v1"
+                   else ("memory.max", "memory.swap.max"))
     if kind == "v2" and "memory" not in (d / "cgroup.controllers").read_text().split():
       raise OSError(f"the memory controller is not delegated to {base}")
     (d / first).write_text(str(limit))
@@ -303,9 +299,7 @@ def _run(code: str, limits: Limits, mode: str) -> ToolResult:
       st = json.loads(report)
     except json.JSONDecodeError:
       st = {}
-    code_ = st.get("exit")
-    if "signal" in st:
-      code_ = -st["signal"]
+    code_ = -st["signal"] if "signal" in st else st.get("exit")
     if error is None:
       if code_ is None or code_ == 125:
         error = "sandbox_error"
@@ -321,7 +315,6 @@ def _run(code: str, limits: Limits, mode: str) -> ToolResult:
     elif error == "killed":
       text = _mark(text, f"process killed by signal {-code_} (a resource limit: CPU time, "
                    "memory or processes)")
-
     elif error == "sandbox_error":
       text = _mark(text[-limits.max_output_bytes:], "sandbox error; the code may not have run")
     elif error == "nonzero_exit":
@@ -364,11 +357,11 @@ def _collect(proc, limits: Limits, t0: float):
       # Exited; drain whatever is left without blocking.
       continue
   if error is not None:
-    _kill_group(proc)
+    _kill_group(proc.pid)
   try:
     proc.wait(timeout=5)
   except subprocess.TimeoutExpired:
-    _kill_group(proc)
+    _kill_group(proc.pid)
     proc.wait()
   proc.stdout.close()
   _reap_session(proc.pid)
@@ -397,15 +390,12 @@ def _reap_session(sid: int, timeout: float = 5.0):
   while time.monotonic() < t_end:
     if not _session_members(sid):
       return
-    try:
-      os.killpg(sid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-      pass
+    _kill_group(sid)
     time.sleep(0.02)
 
 
-def _kill_group(proc):
+def _kill_group(pgid: int):
   try:
-    os.killpg(proc.pid, signal.SIGKILL)
+    os.killpg(pgid, signal.SIGKILL)
   except (ProcessLookupError, PermissionError):
     pass

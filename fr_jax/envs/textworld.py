@@ -19,8 +19,6 @@ import numpy as np
 
 from fr_jax.envs.base import Task, split_of
 
-RECEPTACLES = ["cabinet", "countertop", "drawer", "shelf", "table", "fridge", "microwave",
-               "sinkbasin"]
 OPENABLE = {"cabinet", "drawer", "fridge", "microwave"}
 OBJECTS = ["mug", "cup", "apple", "potato", "plate", "bowl", "egg", "tomato", "bread", "spoon"]
 GOALS = ("place", "clean", "heat", "cool")
@@ -39,10 +37,9 @@ def _layout(layout_id: int, seed: int) -> dict:
   for kind, most in (("cabinet", 4), ("countertop", 2), ("drawer", 3), ("shelf", 2),
                      ("table", 1)):
     recs += [f"{kind} {i}" for i in range(1, int(rng.integers(1, most + 1)) + 1)]
-  objs = {}
   holders = [r for r in recs if not r.startswith(("sinkbasin", "microwave"))]
-  for name in rng.permutation(OBJECTS)[: int(rng.integers(5, 9))]:
-    objs[f"{name} 1"] = holders[int(rng.integers(len(holders)))]
+  objs = {f"{name} 1": holders[int(rng.integers(len(holders)))]
+          for name in rng.permutation(OBJECTS)[: int(rng.integers(5, 9))]}
   return {"receptacles": sorted(recs), "objects": objs}
 
 
@@ -83,11 +80,10 @@ class TextWorld:
     if split == "test_unseen":
       rng = np.random.default_rng([self.seed, 3, index])
       return self._draw(rng, 10_000 + int(rng.integers(self.unseen_layouts)))
-    want = "test" if split == "test" else "train"
-    rng = np.random.default_rng([self.seed, 1 if want == "train" else 2, index])
+    rng = np.random.default_rng([self.seed, 1 if split == "train" else 2, index])
     while True:
       t = self._draw(rng, int(rng.integers(self.seen_layouts)))
-      if split_of(t.task_id, 0.2) == want:
+      if split_of(t.task_id, 0.2) == split:
         return t
 
   def reward(self, task: Task, final_text: str) -> float:
@@ -119,21 +115,19 @@ class Household:
   def _goal_met(self) -> bool:
     g = self.task.answer
     kind = g["object"].split()[0]
-    need = {"clean": "clean", "heat": "hot", "cool": "cool"}.get(g["goal"])
-    return any(o.split()[0] == kind and w == g["target"] and (need is None or need in
-                                                               self.state[o])
+    need = _ADJ.get(g["goal"])
+    return any(o.split()[0] == kind and w == g["target"] and (need is None or need in self.state[o])
                for o, w in self.where.items())
 
   def observe(self, action_text: str) -> tuple[str, bool]:
-    cmd = _normalise(action_text)
-    obs = self._apply(cmd)
+    obs = self._apply(_normalise(action_text))
     if self._goal_met():
       self.done = True
       obs += " You have completed the task."
     return obs, self.done
 
   def reward(self) -> float:
-    return 1.0 if self._goal_met() else 0.0
+    return float(self._goal_met())
 
   def _apply(self, cmd: str) -> str:
     m = re.fullmatch(r"go to (.+)", cmd)
@@ -164,8 +158,7 @@ class Household:
     tool = {"clean": "sinkbasin 1", "heat": "microwave 1", "cool": "fridge 1"}
     if m and m.group(3) == tool[m.group(1)] == self.at and self.where.get(m.group(2)) == "hand":
       self.state[m.group(2)].add(_ADJ[m.group(1)])
-      verb = {"clean": "clean", "heat": "heat", "cool": "cool"}[m.group(1)]
-      return f"You {verb} the {m.group(2)} using the {self.at}."
+      return f"You {m.group(1)} the {m.group(2)} using the {self.at}."
     if cmd == "look":
       where = f"at {self.at}" if self.at else "in the middle of a room"
       return f"You are {where}. You see {', '.join('a ' + r for r in self.recs)}."

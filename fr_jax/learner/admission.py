@@ -323,9 +323,6 @@ class Producers:
     if e is not None and seq in e[1]:
       e[1].remove(seq)
 
-  def unsettled(self) -> int:
-    return sum(len(e[1]) for e in self._p.values())
-
   def replayable(self, producer: str, seq: int, min_version: int) -> bool:
     """Against a restored checkpoint's table: was this logged record still owed (queued at
     the checkpoint, or admitted after it)?"""

@@ -1,8 +1,8 @@
 """Per-batch diagnostics that need to know each record: the split metrics of docs/learner.md.
 
 The update step returns, per trajectory, the gate's D_i and decision and the sums of
-|log pi - log mu| and of the Bernoulli KL over its action tokens (`step.SEGMENT_VALUES`).
-Only the host knows each record's policy lag, response length and advantage, so the splits
+|log pi - log mu| and of the Bernoulli KL over its action tokens (`step`'s `segment`).
+Only the host knows each record's policy lag and response length, so the splits
 are made here, in NumPy, after the step:
 
 * **mismatch by policy lag** (`mismatch/lag_{0,1,2_3,4plus}/...`): at lag 0 the learner
@@ -72,7 +72,7 @@ def split_metrics(*, lag_B, action_tokens_B, response_len_B, advantage_B, admitt
 def record_metrics(trajs, lags_B, packed, segments, *, counterfactual: bool,
                    replay: bool) -> dict:
   """`split_metrics` of one update's batch: each micro-batch's per-slot values [S]
-  (`step.SEGMENT_VALUES`, host arrays) gathered back into record order (`traj_index`).
+  (`step`'s `segment`, host arrays) gathered back into record order (`traj_index`).
   `counterfactual`: the step scored the batch the other way too (`routing_counterfactual`)."""
   B = len(trajs)
   per = {k: np.zeros(B, np.float64) for k in segments[0]}

@@ -229,17 +229,13 @@ class Learner:
       acc, _ = exe(self.state.params, acc, db, stats)
     return len(dbs), acc
 
-  def objective_finite(self, trajs: Sequence[Trajectory]) -> bool:
-    """Whether the one-batch objective on `trajs` alone has a finite loss and gradient."""
-    return bool(self._jit_finite(self.accumulated(trajs)[1]))
-
   @multihost.collective
   def find_offenders(self, trajs: Sequence[Trajectory]) -> list[int]:
     """Indices of a smallest set of records whose removal makes the batch's objective finite
     (`quarantine.minimal_offenders`); empty if the batch is finite now."""
     def finite_without(removed: set) -> bool:
       rest = [t for i, t in enumerate(trajs) if i not in removed]
-      return not rest or self.objective_finite(rest)
+      return not rest or bool(self._jit_finite(self.accumulated(rest)[1]))
 
     return quarantine.minimal_offenders(len(trajs), finite_without)
 

@@ -8,7 +8,7 @@ gives exactly the one-pass gradient. The last micro-batch applies one optimizer 
 A batch whose loss or gradient norm is not finite applies nothing: the state is kept and
 `skipped` is incremented.
 
-Each micro-batch also returns per-trajectory values [S] (`SEGMENT_VALUES`: the advantage,
+Each micro-batch also returns per-trajectory values [S] (`segment` below: the advantage,
 the gate's D_i and decision, the sums of |log pi - log mu| and of the Bernoulli KL over the
 action tokens, and, for an MoE model whose records carry routing, how many of them drifted:
 scored where the learner's own top-k is not the recorded set, and optionally the same sums
@@ -70,12 +70,6 @@ def init_state(params, optimizer: optax.GradientTransformation) -> TrainState:
                     jnp.zeros((), jnp.int32))
 
 
-_SUMS = ("loss", "admitted", "trajectories", "tokens", "seq_kl_sum", "ratio_sum",
-         "entropy_sum", "token_kl_sum", "ratio_outside", "admitted_tokens",
-         "admitted_ratio_sum", "admitted_ratio_sq_sum", "drift_tokens", "router_balance")
-_MAXES = ("seq_kl_max", "ratio_max")
-SEGMENT_VALUES = ("advantages", "seq_kl", "admitted", "abs_dlogp_sum", "token_kl_sum",
-                  "drift_sum", "other_abs_dlogp_sum", "other_token_kl_sum")
 # Importance ratios outside [1/RATIO_BAND, RATIO_BAND] are counted (`ratio_outside_frac`).
 RATIO_BAND = 2.0
 

@@ -158,8 +158,7 @@ def pallas_gpu_attention(q, k, v, segment_ids, cd, interpret: bool | None = None
   segment_ids [B, L] -> [B, L, H, hd] f32. Interpret mode off a GPU unless told."""
   from jax.experimental.pallas.ops.gpu import attention as pallas_mha
   B, L, H, hd = q.shape
-  if interpret is None:
-    interpret = jax.default_backend() != "gpu"
+  interpret = jax.default_backend() != "gpu" if interpret is None else interpret
   rep = H // k.shape[2]
   k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
   q, k, v, segment_ids = _pad_to_blocks(q, k, v, segment_ids)
@@ -180,8 +179,7 @@ def splash_tpu_attention(q, k, v, segment_ids, cd, interpret: bool | None = None
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
   B, L, H, hd = q.shape
   kvh = k.shape[2]
-  if interpret is None:
-    interpret = jax.default_backend() != "tpu"
+  interpret = jax.default_backend() != "tpu" if interpret is None else interpret
   q, k, v, segment_ids = _pad_to_blocks(q * (hd ** -0.5), k, v, segment_ids)
   Lp = q.shape[1]
   block = next(b for b in (512, 256, PALLAS_BLOCK) if Lp % b == 0)

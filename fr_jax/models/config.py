@@ -223,7 +223,7 @@ def from_hf_config(cfg: dict[str, Any], **overrides) -> ModelConfig:
     raise ConfigError(f"model_type={family!r} in config.json: fr_jax supports {FAMILIES}")
   if cfg.get("hidden_act", "silu") != "silu":
     raise ConfigError(f"hidden_act={cfg.get('hidden_act')!r}: only silu (SwiGLU) is supported")
-  if family == "qwen2" and cfg.get("use_sliding_window"):
+  if family in ("qwen2", "qwen3_moe") and cfg.get("use_sliding_window"):
     raise ConfigError("use_sliding_window=true is not supported; set it to false")
   H = int(cfg["num_attention_heads"])
   theta, llama3 = _rope(cfg)
@@ -251,8 +251,6 @@ def from_hf_config(cfg: dict[str, Any], **overrides) -> ModelConfig:
       eos_token_id=_first_id(cfg.get("eos_token_id")),
   )
   if family == "qwen3_moe":
-    if cfg.get("use_sliding_window"):
-      raise ConfigError("use_sliding_window=true is not supported; set it to false")
     # Released checkpoints say num_experts; transformers >= 5 writes num_local_experts.
     kw.update(num_experts=int(cfg.get("num_experts") or cfg["num_local_experts"]),
               num_experts_per_tok=int(cfg["num_experts_per_tok"]),

@@ -92,14 +92,6 @@ def param_shapes(cfg: ModelConfig) -> Params:
 STACKS = ("layers", "moe", "mlp")  # subtrees whose leaves carry a leading stacked-layer axis
 
 
-def _is_norm(name):
-  return name.endswith("norm")
-
-
-def _is_bias(name):
-  return name.startswith("b")
-
-
 def init_params(cfg: ModelConfig, key: jax.Array, std: float = 0.02) -> Params:
   """Random params: normal(0, std) matrices, ones for norms, zeros for biases."""
   dtype = jnp.dtype(cfg.param_dtype)
@@ -108,9 +100,9 @@ def init_params(cfg: ModelConfig, key: jax.Array, std: float = 0.02) -> Params:
   leaves = []
   for (path, shape), k in zip(flat, keys):
     name = path[-1].key
-    if _is_norm(name):
+    if name.endswith("norm"):
       leaves.append(jnp.ones(shape, dtype))
-    elif _is_bias(name):
+    elif name.startswith("b"):  # biases
       leaves.append(jnp.zeros(shape, dtype))
     else:
       leaves.append((std * jax.random.normal(k, shape, F32)).astype(dtype))
@@ -239,7 +231,6 @@ def _mlp(cfg: ModelConfig, x, lp):
   return dense(jax.nn.silu(g) * u, lp["w_down"], lp.get("b_down"), cd)
 
 
-
 def _layer(cfg: ModelConfig, h, lp, cos, sin, vis, cache_kv, cache_start, window=None,
            routes=None, valid=None):
   """One decoder layer: (h, cache_kv, LayerRouting or None for a dense layer)."""
@@ -250,7 +241,6 @@ def _layer(cfg: ModelConfig, h, lp, cos, sin, vis, cache_kv, cache_start, window
   else:
     y, r = _mlp(cfg, x, lp), None
   return h + y, cache_kv, r
-
 
 
 def forward(params: Params, cfg: ModelConfig, tokens, positions, segment_ids=None, *,
@@ -269,7 +259,7 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, segment_ids=Non
   positions = jnp.asarray(positions)
   h = params["embed"][tokens].astype(F32)
   cos, sin = rope_tables(cfg, positions)
-  shape = tokens.shape
+  per = []
   if cache is not None:
     if routes is not None:
       raise ValueError("routing replay is for packed (learner) forwards, not cached decoding")
@@ -278,52 +268,48 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, segment_ids=Non
       params = decode_layout(params, cfg)
     ks, vs = list(cache["k"]), list(cache["v"])
     start = positions[:, 0]
-    per = []
     for i, lp in enumerate(params["layer_list"]):
       h, (ks[i], vs[i]), r = _layer(cfg, h, lp, cos, sin, positions, (ks[i], vs[i]), start,
                                     window)
       if r is not None:
         per.append(stack_layer(r))
-    h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
-    out = (h, {"k": tuple(ks), "v": tuple(vs)})
-    return (*out, assemble_routing(cfg, per, shape)) if routing_out else out
-
-  seg = jnp.ones_like(tokens) if segment_ids is None else jnp.asarray(segment_ids)
-  vis = packed_visibility(seg)
-  valid = seg > 0
-  if routes is not None:
-    if not cfg.is_moe:
-      raise ValueError("routes were given to a dense model")
-    routes = jnp.moveaxis(jnp.asarray(routes), 2, 0)  # [sparse layers, B, L, k]
-
-  def body(h, xs):
-    lp, rt = xs
-    h, _, r = _layer(cfg, h, lp, cos, sin, vis, None, None, routes=rt, valid=valid)
-    return h, r
-
-  if remat:
-    body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
-  per = []
-  if "layer_list" in params:  # decode layout: unrolled over separate per-layer buffers
-    j = 0
-    for lp in params["layer_list"]:
-      rt = None
-      if routes is not None and "router" in lp:
-        rt, j = routes[j], j + 1
-      h, r = body(h, (lp, rt))
-      if r is not None:
-        per.append(stack_layer(r))
+    cache = {"k": tuple(ks), "v": tuple(vs)}
   else:
-    for stack, (a, b), (c, d) in _runs(cfg):
-      lp = _slice(params["layers"], a, b, cfg.num_layers)
-      if stack != "layers":
-        lp = {**lp, **_slice(params[stack], c, d, jax.tree.leaves(params[stack])[0].shape[0])}
-      rt = routes[c:d] if stack == "moe" and routes is not None else None
-      h, r = jax.lax.scan(body, h, (lp, rt))
-      if r is not None:
-        per.append(r)
+    seg = jnp.ones_like(tokens) if segment_ids is None else jnp.asarray(segment_ids)
+    vis = packed_visibility(seg)
+    valid = seg > 0
+    if routes is not None:
+      if not cfg.is_moe:
+        raise ValueError("routes were given to a dense model")
+      routes = jnp.moveaxis(jnp.asarray(routes), 2, 0)  # [sparse layers, B, L, k]
+
+    def body(h, xs):
+      lp, rt = xs
+      h, _, r = _layer(cfg, h, lp, cos, sin, vis, None, None, routes=rt, valid=valid)
+      return h, r
+
+    if remat:
+      body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+    if "layer_list" in params:  # decode layout: unrolled over separate per-layer buffers
+      j = 0
+      for lp in params["layer_list"]:
+        rt = None
+        if routes is not None and "router" in lp:
+          rt, j = routes[j], j + 1
+        h, r = body(h, (lp, rt))
+        if r is not None:
+          per.append(stack_layer(r))
+    else:
+      for stack, (a, b), (c, d) in _runs(cfg):
+        lp = _slice(params["layers"], a, b, cfg.num_layers)
+        if stack != "layers":
+          lp = {**lp, **_slice(params[stack], c, d, jax.tree.leaves(params[stack])[0].shape[0])}
+        rt = routes[c:d] if stack == "moe" and routes is not None else None
+        h, r = jax.lax.scan(body, h, (lp, rt))
+        if r is not None:
+          per.append(r)
   h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
-  return (h, None, assemble_routing(cfg, per, shape)) if routing_out else (h, None)
+  return (h, cache, assemble_routing(cfg, per, tokens.shape)) if routing_out else (h, cache)
 
 
 def _slice(tree, a, b, n):
@@ -388,10 +374,9 @@ class Decoder(nnx.Module):
     self.embed = nnx.Param(params["embed"])
     self.final_norm = nnx.Param(params["final_norm"])
     self.layers = Layers(params["layers"])
-    if "moe" in params:
-      self.moe = Layers(params["moe"])
-    if "mlp" in params:
-      self.mlp = Layers(params["mlp"])
+    for stack in ("moe", "mlp"):  # an MoE model's sparse layers, and its dense ones if any
+      if stack in params:
+        setattr(self, stack, Layers(params[stack]))
     if "lm_head" in params:
       self.lm_head = nnx.Param(params["lm_head"])
 

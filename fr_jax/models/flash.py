@@ -69,11 +69,6 @@ def _unblocks(x):
   return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
 
 
-def _n_key_blocks(qi_block, bk, nk):
-  """Key blocks a query block needs: those starting at or before its largest index."""
-  return jnp.minimum(nk, jnp.max(qi_block) // bk + 1)
-
-
 def _scores(qb, kb, qi, qs, ks, kstart, cd, scale):
   """Masked scores [B, KVH, G, bq, bk] (f32) of one query block against one key block."""
   s = jnp.einsum("bqkgd,bskd->bkgqs", qb.astype(cd), kb.astype(cd),
@@ -110,8 +105,9 @@ def _flash_fwd(q, k, v, q_idx, q_seg, kv_seg, cd, bq, bk):
                                                vB[j].astype(cd), preferred_element_type=F32)
       return m_new, denom, acc
 
-    m, denom, acc = jax.lax.fori_loop(0, _n_key_blocks(qi, bk, nk), k_block,
-                                      (m0, jnp.zeros_like(m0), acc0))
+    # The key blocks the query block needs: those starting at or before its largest index.
+    n_needed = jnp.minimum(nk, jnp.max(qi) // bk + 1)
+    m, denom, acc = jax.lax.fori_loop(0, n_needed, k_block, (m0, jnp.zeros_like(m0), acc0))
     seen = denom > 0  # a query that sees no key (only padding does) gets 0, not NaN
     o = acc / jnp.where(seen, denom, 1.0)[..., None]
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, denom, 1.0)), 0.0)

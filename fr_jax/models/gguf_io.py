@@ -65,16 +65,14 @@ _TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": 
 
 def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
   """Inverse of llama.cpp's `permute` for q/k weights [n_heads * head_dim, in] (or biases)."""
-  rows = w.shape[0]
-  hd = rows // n_heads
-  return (w.reshape(n_heads, hd // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
+  hd = w.shape[0] // n_heads
+  return w.reshape(n_heads, hd // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def permute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
   """llama.cpp's permutation (HF layout -> GGUF layout); for tests and writers."""
-  rows = w.shape[0]
-  hd = rows // n_heads
-  return (w.reshape(n_heads, 2, hd // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
+  hd = w.shape[0] // n_heads
+  return w.reshape(n_heads, 2, hd // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def _f32_decimal(x) -> float:
@@ -350,18 +348,16 @@ def save_gguf(path, params, cfg: ModelConfig, tokenizer_kv: dict[str, GGUFValue]
   w.add_file_type(int(_FILE_TYPE[dtype]))
   if dtype == "q8_0":
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-  w.add_vocab_size(cfg.vocab_size)
-  w.add_context_length(cfg.max_position_embeddings)
-  w.add_embedding_length(cfg.hidden_size)
-  w.add_block_count(cfg.num_layers)
-  w.add_feed_forward_length(cfg.intermediate_size)
-  w.add_head_count(cfg.num_heads)
-  w.add_head_count_kv(cfg.num_kv_heads)
-  w.add_key_length(cfg.head_dim)
-  w.add_value_length(cfg.head_dim)
-  w.add_rope_dimension_count(cfg.head_dim)
-  w.add_rope_freq_base(cfg.rope_theta)
-  w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+  for add, value in ((w.add_vocab_size, cfg.vocab_size),
+                     (w.add_context_length, cfg.max_position_embeddings),
+                     (w.add_embedding_length, cfg.hidden_size), (w.add_block_count, cfg.num_layers),
+                     (w.add_feed_forward_length, cfg.intermediate_size),
+                     (w.add_head_count, cfg.num_heads), (w.add_head_count_kv, cfg.num_kv_heads),
+                     (w.add_key_length, cfg.head_dim), (w.add_value_length, cfg.head_dim),
+                     (w.add_rope_dimension_count, cfg.head_dim),
+                     (w.add_rope_freq_base, cfg.rope_theta),
+                     (w.add_layer_norm_rms_eps, cfg.rms_norm_eps)):
+    add(value)
   for key, v in _fit_vocab(tokenizer_kv, cfg).items():
     w.add_key_value(key, v.value, v.type, v.sub_type)
 
@@ -376,15 +372,11 @@ def save_gguf(path, params, cfg: ModelConfig, tokenizer_kv: dict[str, GGUFValue]
         a = permute_rope(a, cfg.num_heads if rest.startswith("attn_q.") else cfg.num_kv_heads)
       yield g, a
 
-  total = 0
   for g, a in gguf_tensors():  # the header: names, shapes, types and sizes, nothing converted
     qtype = _tensor_type(a.shape, dtype)
     nbytes = int(np.prod(gguf.quants.quant_shape_to_byte_shape(a.shape, qtype)))
-    if qtype == _T.F16:
-      w.add_tensor_info(g, a.shape, np.dtype(np.float16), nbytes)
-    else:
-      w.add_tensor_info(g, a.shape, np.dtype(np.float32), nbytes, raw_dtype=qtype)
-    total += nbytes
+    # raw_dtype sets the stored type; the array dtype only matters for uint8 (raw bytes)
+    w.add_tensor_info(g, a.shape, np.dtype(np.float32), nbytes, raw_dtype=qtype)
   def write(tmp):
     try:
       w.write_header_to_file(tmp)

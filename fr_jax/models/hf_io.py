@@ -121,8 +121,7 @@ def load_hf(path, *, param_dtype: str | None = None, compute_dtype: str | None =
                           "config.json and *.safetensors")
   hf = json.loads(cfg_file.read_text())
   tensors = _Tensors(_weight_files(path))
-  dtype_name = param_dtype or _dtype_of(tensors)
-  overrides = {"param_dtype": dtype_name}
+  overrides = {"param_dtype": param_dtype or _dtype_of(tensors)}
   if compute_dtype:
     overrides["compute_dtype"] = compute_dtype
   cfg = from_hf_config(hf, **overrides)
@@ -149,8 +148,7 @@ def params_from_hf_tensors(tensors: Mapping[str, np.ndarray], cfg: ModelConfig, 
     shape = tuple(shape)
     if name not in tensors:
       hf_shape = (*shape[:-2], shape[-1], shape[-2]) if transpose else shape
-      raise CheckpointError(f"{source}: tensor {name!r} is missing (expected shape "
-                            f"{hf_shape})")
+      raise CheckpointError(f"{source}: tensor {name!r} is missing (expected shape {hf_shape})")
     a = np.asarray(tensors[name])
     a = np.swapaxes(a, -1, -2) if transpose else a
     if a.shape != shape:
@@ -202,14 +200,17 @@ def iter_hf_tensors(params, cfg: ModelConfig):
   transposed views, not copies, so a caller can convert and write them one by one. A
   Qwen3-MoE model's experts come one expert at a time, in the released checkpoints' names,
   from one sparse layer's stack on the host at a time."""
+  def per_layer(tree, layers):
+    for k, stacked in tree.items():
+      hf_name, tr = _LAYER_NAMES[k]
+      stacked = np.asarray(stacked)
+      for j, i in enumerate(layers):
+        yield f"model.layers.{i}.{hf_name}", (stacked[j].T if tr else stacked[j])
+
   for k, hf_name in _TOP_NAMES.items():
     if k in params:
       yield hf_name, np.asarray(params[k])
-  for k, stacked in params["layers"].items():
-    hf_name, tr = _LAYER_NAMES[k]
-    stacked = np.asarray(stacked)
-    for i in range(cfg.num_layers):
-      yield f"model.layers.{i}.{hf_name}", (stacked[i].T if tr else stacked[i])
+  yield from per_layer(params["layers"], range(cfg.num_layers))
   for j, i in enumerate(cfg.moe_layers):
     layer = {k: np.asarray(a[j]) for k, a in params["moe"].items()}
     pre = f"model.layers.{i}.mlp."
@@ -217,15 +218,7 @@ def iter_hf_tensors(params, cfg: ModelConfig):
     for e in range(cfg.num_experts):
       for k, hf_name in _EXPERT_NAMES.items():
         yield f"{pre}experts.{e}.{hf_name}", layer[k][e].T
-  for k, stacked in params.get("mlp", {}).items():
-    hf_name, tr = _LAYER_NAMES[k]
-    stacked = np.asarray(stacked)
-    for j, i in enumerate(cfg.dense_layers):
-      yield f"model.layers.{i}.{hf_name}", (stacked[j].T if tr else stacked[j])
-
-
-def hf_tensors_from_params(params, cfg: ModelConfig) -> dict[str, np.ndarray]:
-  return {name: np.ascontiguousarray(a) for name, a in iter_hf_tensors(params, cfg)}
+  yield from per_layer(params.get("mlp", {}), cfg.dense_layers)
 
 
 def save_hf(path, params, cfg: ModelConfig, *, tokenizer_files: dict | None = None,
@@ -241,7 +234,7 @@ def save_hf(path, params, cfg: ModelConfig, *, tokenizer_files: dict | None = No
   swaps it whole.
   """
   path = Path(path)
-  tensors = hf_tensors_from_params(params, cfg)
+  tensors = {name: np.ascontiguousarray(a) for name, a in iter_hf_tensors(params, cfg)}
   shards, cur, size = [], {}, 0
   for name in sorted(tensors):
     nbytes = tensors[name].nbytes
@@ -256,10 +249,9 @@ def save_hf(path, params, cfg: ModelConfig, *, tokenizer_files: dict | None = No
   if len(shards) == 1:
     files["model.safetensors"] = lambda p: save_file(shards[0], str(p), metadata=meta)
   else:
-    n = len(shards)
     weight_map = {}
     for i, shard in enumerate(shards, 1):
-      fname = f"model-{i:05d}-of-{n:05d}.safetensors"
+      fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
       files[fname] = lambda p, s=shard: save_file(s, str(p), metadata=meta)
       weight_map.update({k: fname for k in shard})
     index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
@@ -276,4 +268,3 @@ def export_hf(path, params, cfg: ModelConfig, tokenizer=None) -> Path:
   files (a `fr_jax.models.tokenizer.Tokenizer`, or None for none) beside the weights."""
   files = tokenizer.files() if tokenizer is not None else None
   return save_hf(path, params, cfg, tokenizer_files=files)
-

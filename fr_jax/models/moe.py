@@ -68,9 +68,6 @@ def _experts_ragged(cfg: ModelConfig, x, mp, idx, w):
   return jnp.einsum("blkd,blk->bld", y, w)
 
 
-EXPERT_WEIGHTS = ("experts_gate", "experts_up", "experts_down")
-
-
 def _experts(cfg: ModelConfig, x, mp, idx, w):
   """The experts' weighted output [B, L, D] for positions x [B, L, D] choosing idx [B, L, k]
   with gate weights w [B, L, k], on the path `cfg.moe_impl` picks.
@@ -88,7 +85,7 @@ def _experts(cfg: ModelConfig, x, mp, idx, w):
     return fn(cfg, x, mp, idx, w)
   P = jax.sharding.PartitionSpec
   rows = P(tuple(mesh.axis_names))
-  experts = {k: mp[k] for k in EXPERT_WEIGHTS}
+  experts = {k: mp[k] for k in ("experts_gate", "experts_up", "experts_down")}
   axis = cfg.expert_shard_axis
   split = axis in mesh.axis_names and cfg.num_experts % mesh.shape[axis] == 0
 

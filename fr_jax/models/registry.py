@@ -58,11 +58,17 @@ TINY_CONFIGS = {
 # tiny-chat, tiny-chat-moe: a tiny random Llama and Qwen3-MoE whose vocabulary is the byte-level
 # tokenizer's (256 bytes + 3 ChatML specials, padded to 320), so agent loops and smoke runs
 # see real text.
-TINY_CONFIGS["tiny-chat"] = TINY_CONFIGS["tiny-llama"].replace(vocab_size=320,
-                                                               rope_llama3=None)
+TINY_CONFIGS["tiny-chat"] = TINY_CONFIGS["tiny-llama"].replace(vocab_size=320, rope_llama3=None)
 TINY_CONFIGS["tiny-chat-moe"] = TINY_CONFIGS["tiny-qwen3-moe"].replace(vocab_size=320)
 TINY_TOKENIZED = {"tiny-chat", "tiny-chat-moe"}
 
+# deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B
+_R1_DISTILL_QWEN_1_5B = {
+    "model_type": "qwen2", "hidden_size": 1536, "intermediate_size": 8960,
+    "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
+    "vocab_size": 151936, "max_position_embeddings": 131072, "rope_theta": 10000,
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "bos_token_id": 151643,
+    "eos_token_id": 151643}
 # Real models' shapes: the config.json fields fr_jax reads (`random:NAME` loads them with random
 # weights).
 SHAPES = {
@@ -73,20 +79,10 @@ SHAPES = {
         "num_key_value_heads": 3, "head_dim": 64, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
         "tie_word_embeddings": True, "max_position_embeddings": 8192, "bos_token_id": 1,
         "eos_token_id": 2},
-    # deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B
-    "r1-distill-qwen-1.5b": {
-        "model_type": "qwen2", "hidden_size": 1536, "intermediate_size": 8960,
-        "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
-        "vocab_size": 151936, "max_position_embeddings": 131072, "rope_theta": 10000,
-        "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "bos_token_id": 151643,
-        "eos_token_id": 151643},
+    "r1-distill-qwen-1.5b": _R1_DISTILL_QWEN_1_5B,
     # Qwen/Qwen2.5-Math-1.5B (R1-Distill-Qwen-1.5B's base: the same shapes, tied embeddings)
-    "qwen2.5-math-1.5b": {
-        "model_type": "qwen2", "hidden_size": 1536, "intermediate_size": 8960,
-        "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
-        "vocab_size": 151936, "max_position_embeddings": 4096, "rope_theta": 10000,
-        "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "bos_token_id": 151643,
-        "eos_token_id": 151643},
+    "qwen2.5-math-1.5b": {**_R1_DISTILL_QWEN_1_5B, "max_position_embeddings": 4096,
+                          "tie_word_embeddings": True},
     # Qwen/Qwen2.5-7B-Instruct
     "qwen2.5-7b-instruct": {
         "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
@@ -145,11 +141,6 @@ def smollm2_gguf_path() -> Path:
   return path
 
 
-def _to_device(params, cfg: ModelConfig):
-  dtype = jnp.dtype(cfg.param_dtype)
-  return jax.tree.map(lambda a: jnp.asarray(a, dtype), params)
-
-
 def _source(name: str) -> tuple[str, Path | None]:
   """How `name` is found: ("tiny" | "random" | "gguf" | "hf", the file or directory)."""
   if name in TINY_CONFIGS:
@@ -203,29 +194,23 @@ def load(name: str = DEFAULT_MODEL, *, param_dtype: str = "float32",
          compute_dtype: str = "float32", seed: int = 0) -> LoadedModel:
   """Loads a named model or a checkpoint path (see the module docstring)."""
   t0 = time.perf_counter()
-  tokenizer = None
   kind, path = _source(name)
-  if kind == "tiny":
-    cfg = TINY_CONFIGS[name].replace(param_dtype=param_dtype, compute_dtype=compute_dtype)
+  dtypes = dict(param_dtype=param_dtype, compute_dtype=compute_dtype)
+  if kind in ("tiny", "random"):
+    info = describe(name)
+    cfg, tokenizer = info.config.replace(**dtypes), info.tokenizer
     params = decoder.init_params(cfg, jax.random.key(seed))
-    source = f"random init (seed {seed})"
-    if name in TINY_TOKENIZED:
-      tokenizer = Tokenizer.byte_level()
-  elif kind == "random":
-    cfg = shape_config(name.removeprefix("random:"), param_dtype=param_dtype,
-                       compute_dtype=compute_dtype)
-    params = decoder.init_params(cfg, jax.random.key(seed))
-    source = f"random init in {name.removeprefix('random:')} shapes (seed {seed})"
-  elif kind == "gguf":
-    cfg, params, reader = load_gguf(path, param_dtype=param_dtype, compute_dtype=compute_dtype)
-    tokenizer = Tokenizer.from_gguf(reader)
-    params = _to_device(params, cfg)
-    source = str(path)
+    shapes = f" in {name.removeprefix('random:')} shapes" if kind == "random" else ""
+    source = f"random init{shapes} (seed {seed})"
   else:
-    cfg, params = load_hf(path, param_dtype=param_dtype, compute_dtype=compute_dtype)
-    if (path / "tokenizer.json").is_file():
-      tokenizer = Tokenizer.from_file(path)
-    params = _to_device(params, cfg)
+    if kind == "gguf":
+      cfg, params, reader = load_gguf(path, **dtypes)
+      tokenizer = Tokenizer.from_gguf(reader)
+    else:
+      cfg, params = load_hf(path, **dtypes)
+      tokenizer = Tokenizer.from_file(path) if (path / "tokenizer.json").is_file() else None
+    dtype = jnp.dtype(cfg.param_dtype)
+    params = jax.tree.map(lambda a: jnp.asarray(a, dtype), params)
     source = str(path)
   jax.block_until_ready(params)
   return LoadedModel(name, cfg, params, tokenizer, source, time.perf_counter() - t0)

@@ -45,14 +45,8 @@ def _bytes_to_unicode() -> dict[str, int]:
   """GPT-2's byte <-> printable-character table (character -> byte)."""
   keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
           *range(ord("\xae"), ord("\xff") + 1)]
-  chars, n = {}, 0
-  for b in range(256):
-    if b in keep:
-      chars[chr(b)] = b
-    else:
-      chars[chr(256 + n)] = b
-      n += 1
-  return chars
+  others = [b for b in range(256) if b not in keep]  # shifted past 255, in byte order
+  return {**{chr(b): b for b in keep}, **{chr(256 + n): b for n, b in enumerate(others)}}
 
 
 _BYTE_OF = _bytes_to_unicode()

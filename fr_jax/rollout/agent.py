@@ -68,9 +68,7 @@ def parse_tool_call(text: str) -> tuple[str | None, str | None]:
   between the first <tool_call> and the first </tool_call> after it, whitespace stripped;
   linear time in len(text)."""
   start = text.find(CALL_OPEN)
-  if start < 0:
-    return None, None
-  end = text.find(CALL_CLOSE, start + len(CALL_OPEN))
+  end = text.find(CALL_CLOSE, start + len(CALL_OPEN)) if start >= 0 else -1
   if end < 0:
     return None, None
   try:
@@ -81,8 +79,7 @@ def parse_tool_call(text: str) -> tuple[str | None, str | None]:
     return None, f"tool call is not valid JSON ({type(e).__name__})"
   if not isinstance(call, dict) or call.get("name") != "python":
     return None, "unknown tool; the only tool is \"python\""
-  code = (call.get("arguments") or {}).get("code") if isinstance(call.get("arguments"),
-                                                                 dict) else None
+  code = call["arguments"].get("code") if isinstance(call.get("arguments"), dict) else None
   if not isinstance(code, str) or not code.strip():
     return None, "tool call has no arguments.code string"
   return code, None
@@ -119,7 +116,6 @@ class Episode:
   finish_reason: str = "stop"
   reward: float = 0.0  # score minus the env's tool charges
   score: float = 0.0  # the env's verdict on the episode (its accuracy)
-  last_text: str = ""
   routes: list = dataclasses.field(default_factory=list)  # routing rows of positions 0..
 
   @property
@@ -142,10 +138,6 @@ class AgentLoop:
     # "namespaces" or "limits-only" (config-allowed); SandboxUnavailable otherwise.
     self.tool_isolation = (require_isolation(cfg.tool_limits) if "python" in env.tools
                            else "none")
-
-  # --- text <-> tokens ---
-  def user_turn_ids(self, text: str, wrap: tuple[str, str] = ("", "")) -> list[int]:
-    return user_turn_ids(self.tok, text, wrap)
 
   def start(self, task: Task) -> Episode:
     messages = ([{"role": "system", "content": self.env.system_prompt}]
@@ -170,8 +162,7 @@ class AgentLoop:
     ep.tokens += list(ids)
     ep.mask += [action] * n
     ep.logp += list(logp) if action else [0.0] * n
-    v = self.engine.version
-    ep.versions += list(versions) if versions is not None else [v] * n
+    ep.versions += list(versions) if versions is not None else [self.engine.version] * n
 
   def advance(self, ep: Episode, c: Completion) -> None:
     """Appends a model turn and what follows it (tool result / observation / the end)."""
@@ -184,59 +175,51 @@ class AgentLoop:
     self._append(ep, c.token_ids, action=True, logp=c.logprobs, versions=c.versions)
     ep.turns += 1
     text = self.tok.decode([t for t in c.token_ids if t not in self.stop_ids])
-    ep.last_text = text
     if c.finish_reason == "abort":
       ep.done, ep.finish_reason = True, "abort"
       return
     if c.finish_reason == "length":  # the turn was cut at a limit
-      ep.done, ep.finish_reason = True, "length"
-      self._score(ep, self._final_reward(ep, text))
+      self._end(ep, text, "length")
       return
     if self.env.interactive:
       obs, finished = ep.env_episode.observe(text)
       # An interactive environment that offers tools counts its own calls.
       ep.tool_calls = getattr(ep.env_episode, "tool_calls", ep.tool_calls)
       if finished:
-        ep.done = True
-        self._score(ep, ep.env_episode.reward())
+        self._end(ep, text)
         return
       reply, wrap = obs, ("", "")
     else:
       code, error = parse_tool_call(text) if "python" in self.env.tools else (None, None)
       if code is None and error is None:  # no tool call: the final answer
-        ep.done = True
-        self._score(ep, self._final_reward(ep, text))
+        self._end(ep, text)
         return
       ep.tool_calls += 1
-      if error is not None:
-        out = f"[tool error: {error}]"
-      else:
-        out = run_python(code, self.cfg.tool_limits).output
+      out = (f"[tool error: {error}]" if error is not None
+             else run_python(code, self.cfg.tool_limits).output)
       if len(out) > MAX_TOOL_OUTPUT_CHARS:
         out = out[:MAX_TOOL_OUTPUT_CHARS] + "\n[tool: output truncated]"
       reply, wrap = out, (RESPONSE_OPEN, RESPONSE_CLOSE)
     ids = user_turn_ids(self.tok, reply, wrap)
     if ep.turns >= self.cfg.max_turns or ep.length + len(ids) >= self.cfg.max_total_tokens:
-      ep.done, ep.finish_reason = True, "length"
-      self._score(ep, self._final_reward(ep, text))
+      self._end(ep, text, "length")
       return
     self._append(ep, ids, action=False)
 
-  def _score(self, ep: Episode, score: float) -> None:
-    """The episode's reward: the env's score minus `env.tool_cost` (if it prices its tool)
-    per tool call, malformed calls included."""
-    ep.score = float(score)
+  def _end(self, ep: Episode, text: str, reason: str | None = None) -> None:
+    """Ends the episode (with `reason`, if given). Its score is the env's verdict on it
+    (interactive) or on the final reply `text`; its reward, the score minus `env.tool_cost`
+    (if it prices its tool) per tool call, malformed calls included."""
+    ep.done, ep.finish_reason = True, reason or ep.finish_reason
+    ep.score = float(ep.env_episode.reward() if self.env.interactive
+                     else self.env.reward(ep.task, text))
     ep.reward = ep.score - float(getattr(self.env, "tool_cost", 0.0)) * ep.tool_calls
 
-  def _final_reward(self, ep: Episode, text: str) -> float:
-    if self.env.interactive:
-      return ep.env_episode.reward()
-    return self.env.reward(ep.task, text)
-
-  def trajectory(self, ep: Episode) -> Trajectory:
-    """The episode's record. With `record_routing`, its routing covers every position but
-    the last; an episode aborted before its last turn was fed (an observation the engine never
-    read) loses that unread tail of non-action tokens, which no log-prob depends on."""
+  def trajectory(self, ep: Episode, traj_id: str = "") -> Trajectory:
+    """The episode's record (`traj_id` empty: the prompt id). With `record_routing`, its
+    routing covers every position but the last; an episode aborted before its last turn was
+    fed (an observation the engine never read) loses that unread tail of non-action tokens,
+    which no log-prob depends on."""
     n = len(ep.tokens)
     routes = None
     if self.cfg.record_routing and ep.routes:
@@ -253,7 +236,7 @@ class AgentLoop:
         behavior_logp=np.asarray(ep.logp[:n], np.float32),
         reward=float(ep.reward), policy_version=np.asarray(ep.versions[:n], np.int32),
         finish_reason=ep.finish_reason, num_tool_calls=ep.tool_calls, num_turns=ep.turns,
-        env=self.env.name, traj_id="", routed_experts=routes)
+        env=self.env.name, traj_id=traj_id, routed_experts=routes)
 
   def step(self, eps: Sequence[Episode], seeds: Sequence[int], should_abort=None) -> bool:
     """One round: every live episode takes a model turn (batched on the engine) and what
@@ -272,9 +255,4 @@ class AgentLoop:
     eps = [self.start(t) for t in tasks]
     while self.step(eps, seeds, should_abort):
       pass
-    trajs = []
-    for e, s in zip(eps, seeds):
-      t = self.trajectory(e)
-      t.traj_id = f"{e.task.task_id}#{s}"
-      trajs.append(t)
-    return trajs, eps
+    return [self.trajectory(e, f"{e.task.task_id}#{s}") for e, s in zip(eps, seeds)], eps

@@ -57,8 +57,6 @@ from fr_jax.models import decoder, sampling
 from fr_jax.models.config import ModelConfig
 from fr_jax.rollout.engine import Completion, Request
 
-F32 = jnp.float32
-
 
 def _keys(seeds, counters):
   return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
@@ -79,28 +77,21 @@ def _prefill_slot(params, cfg: ModelConfig, cache, slot, tokens, start, length, 
                             temp[None], top_p[None])
   cache = jax.tree.map(lambda c, u: jax.lax.dynamic_update_slice_in_dim(c, u, slot, axis=0),
                        cache, sub)
-  experts = _experts(cfg, routing)
-  return tok[0], lp[0], cache, None if experts is None else experts[0]
-
-
-def _experts(cfg: ModelConfig, routing):
-  """The routing's experts [B, T, sparse layers, k] in the record's dtype; None for a dense
-  model."""
-  return routing.experts.astype(cfg.routing_dtype) if cfg.is_moe else None
+  # The fed positions' experts [Tb, sparse layers, k] in the record's dtype; None if dense.
+  return tok[0], lp[0], cache, routing.experts[0].astype(cfg.routing_dtype) if cfg.is_moe else None
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "window"), donate_argnames=("cache",))
 def _decode(params, cfg: ModelConfig, cache, tokens, positions, seeds, counters, temps, top_ps,
             window: int):
   """One token for every slot: tokens [S] at positions [S] -> (next [S], logp [S], cache,
-  experts [S, sparse layers, k] or None). Attention reads the first `window` cache slots
-  (every live position is below it)."""
+  experts [S, sparse layers, k] in the record's dtype, or None). Attention reads the first
+  `window` cache slots (every live position is below it)."""
   h, cache, routing = decoder.forward(params, cfg, tokens[:, None], positions[:, None],
                                       cache=cache, window=window, routing_out=True)
   logits = decoder.logits_from_hidden(params, cfg, h[:, 0])
   toks, lps = sampling.sample(logits, _keys(seeds, counters), temps, top_ps)
-  experts = _experts(cfg, routing)
-  return toks, lps, cache, None if experts is None else experts[:, 0]
+  return toks, lps, cache, routing.experts[:, 0].astype(cfg.routing_dtype) if cfg.is_moe else None
 
 
 @dataclasses.dataclass
@@ -130,12 +121,11 @@ def _powers_of_two(lo: int, hi: int) -> list[int]:
 
 
 class _Slot:
-  __slots__ = ("req", "tokens", "logprobs", "versions", "pos", "t0", "ttft", "text_tail",
-               "routes")
+  __slots__ = ("req", "tokens", "logprobs", "versions", "pos", "t0", "ttft", "routes")
 
   def __init__(self, req: Request, t0: float):
     self.req, self.tokens, self.logprobs, self.versions = req, [], [], []
-    self.pos, self.t0, self.ttft, self.text_tail = len(req.prompt_ids), t0, 0.0, ""
+    self.pos, self.t0, self.ttft = len(req.prompt_ids), t0, 0.0
     self.routes = []  # MoE: routing rows of the fed positions 0.., in order (arrays)
 
   def routing(self) -> np.ndarray | None:
@@ -197,13 +187,17 @@ class EmbeddedEngine:
       _, _, self.cache, _ = _prefill_slot(self.params, self.cfg, self.cache, jnp.int32(0),
                                        jnp.zeros((1, b), jnp.int32), end, jnp.int32(1),
                                        jnp.uint32(0), one, one)
-    S = self.num_slots
     for w in self.windows:
-      _, _, self.cache, _ = _decode(self.params, self.cfg, self.cache, np.zeros(S, np.int32),
-                                 np.full(S, self.max_len, np.int32), np.zeros(S, np.uint32),
-                                 np.zeros(S, np.uint32), np.ones(S, np.float32),
-                                 np.ones(S, np.float32), window=w)
+      _, _, self.cache, _ = _decode(self.params, self.cfg, self.cache, *self._idle_rows(),
+                                    window=w)
     jax.block_until_ready(self.cache)
+
+  def _idle_rows(self) -> tuple[np.ndarray, ...]:
+    """`_decode`'s per-slot inputs (tokens, positions, seeds, counters, temps, top_ps) with
+    every row idle: aimed past the cache's end, where writes are dropped."""
+    S = self.num_slots
+    return (np.zeros(S, np.int32), np.full(S, self.max_len, np.int32), np.zeros(S, np.uint32),
+            np.zeros(S, np.uint32), np.ones(S, np.float32), np.ones(S, np.float32))
 
   # --- generation ---
   def _bucket(self, n: int, sizes=None) -> int:
@@ -223,13 +217,11 @@ class EmbeddedEngine:
     """The slot for `req` among `free` slots (eviction policy in the module docstring)."""
     if not self.prefix_reuse:
       return free[0]
-    best, best_n = None, 0
-    for i in free:
-      n = self._reusable(i, req.prompt_ids)
-      if n and n == len(self._resident[i].tokens) and n > best_n:
-        best, best_n = i, n
-    if best is not None:
-      return best
+    # Slots whose whole content is a prefix of the prompt; the longest wins (the first of equals).
+    whole = [i for i in free
+             if 0 < self._reusable(i, req.prompt_ids) == len(self._resident[i].tokens)]
+    if whole:
+      return max(whole, key=lambda i: len(self._resident[i].tokens))
     empty = [i for i in free if not self._resident[i].tokens]
     if empty:
       return empty[0]
@@ -255,13 +247,10 @@ class EmbeddedEngine:
         jnp.float32(req.top_p))
     s = _Slot(req, t0)
     if experts is not None:
-      reused = self._resident[slot].routes
       if start:
-        s.routes.append(reused[:start])
+        s.routes.append(self._resident[slot].routes[:start])
       s.routes.append(np.asarray(experts)[:n])
-    self.stats["requests"] += 1
-    self.stats["prefill_tokens"] += n
-    self.stats["reused_tokens"] += start
+    self.stats.update(requests=1, prefill_tokens=n, reused_tokens=start)
     # From here the slot holds the prompt; entries past it are stale until decoded over.
     self._resident[slot] = _Resident(list(req.prompt_ids), self._epoch, self._tick,
                                      s.routing())
@@ -286,7 +275,14 @@ class EmbeddedEngine:
       return "length"
     return None
 
-  def _done(self, s: _Slot, reason: str) -> Completion:
+  def _done(self, slot: int, s: _Slot, reason: str) -> Completion:
+    """`s`'s completion, once it leaves slot `slot`. The slot then holds its prompt and every
+    generated token but the last (never fed); after a swap during the request its epoch is
+    stale."""
+    r = self._resident[slot]
+    r.tokens = list(s.req.prompt_ids) + s.tokens[:-1]
+    r.routes = s.routing()
+    r.used = self._tick
     c = Completion(s.req.request_id, s.tokens, s.logprobs, reason, s.versions,
                    len(s.req.prompt_ids), s.ttft)
     if s.req.routed_experts_start is not None:
@@ -299,8 +295,7 @@ class EmbeddedEngine:
     Returns completions in request order."""
     for r in requests:
       r.check(self.cfg.vocab_size)
-    order = {r.request_id: i for i, r in enumerate(requests)}
-    if len(order) != len(requests):
+    if len({r.request_id for r in requests}) != len(requests):
       raise ValueError("request ids must be unique within one generate() call")
     waiting = collections.deque(requests)
     slots: list[_Slot | None] = [None] * self.num_slots
@@ -311,8 +306,7 @@ class EmbeddedEngine:
       if should_abort is not None and should_abort():
         for i, s in enumerate(slots):
           if s is not None:
-            self._retire(i, s)
-            out[s.req.request_id] = self._done(s, "abort")
+            out[s.req.request_id] = self._done(i, s, "abort")
         for r in waiting:
           out[r.request_id] = Completion(r.request_id, [], [], "abort", [], len(r.prompt_ids))
         break
@@ -324,19 +318,13 @@ class EmbeddedEngine:
         s = self._start(i, req, t0)
         reason = self._finished(s)
         if reason:
-          self._retire(i, s)
-          out[s.req.request_id] = self._done(s, reason)
+          out[s.req.request_id] = self._done(i, s, reason)
         else:
           slots[i] = s
       live = [i for i in range(S) if slots[i] is not None]
       if not live:
         continue
-      tokens = np.zeros(S, np.int32)
-      positions = np.full(S, self.max_len, np.int32)  # idle rows write past the end: dropped
-      seeds = np.zeros(S, np.uint32)
-      counters = np.zeros(S, np.uint32)
-      temps = np.ones(S, np.float32)
-      top_ps = np.ones(S, np.float32)
+      tokens, positions, seeds, counters, temps, top_ps = self._idle_rows()
       for i in live:
         s = slots[i]
         tokens[i], positions[i] = s.tokens[-1], s.pos
@@ -356,15 +344,6 @@ class EmbeddedEngine:
         self._append(s, int(nxt[i]), float(lps[i]))
         reason = self._finished(s)
         if reason:
-          self._retire(i, s)
-          out[s.req.request_id] = self._done(s, reason)
+          out[s.req.request_id] = self._done(i, s, reason)
           slots[i] = None
-    return sorted(out.values(), key=lambda c: order[c.request_id])
-
-  def _retire(self, slot: int, s: _Slot) -> None:
-    """Records what slot `slot` holds once `s` leaves it: its prompt and every generated
-    token but the last (never fed). After a swap during the request its epoch is stale."""
-    r = self._resident[slot]
-    r.tokens = list(s.req.prompt_ids) + s.tokens[:-1]
-    r.routes = s.routing()
-    r.used = self._tick
+    return [out[r.request_id] for r in requests]

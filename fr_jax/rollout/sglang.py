@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures as cf
+import contextlib
 import enum
 import json
 import threading
@@ -79,7 +80,7 @@ from urllib3.exceptions import MaxRetryError, ReadTimeoutError
 from urllib3.util.retry import Retry
 
 from fr_jax.models.config import ModelConfig
-from fr_jax.rollout.engine import Completion, Request
+from fr_jax.rollout.engine import FINISH, Completion, Request
 
 # The server flag without which SGLang 0.5.23 returns no routed experts (it then leaves
 # meta_info.routed_experts out without an error).
@@ -141,7 +142,6 @@ class SGLangEngine:
     self.base_url = base_url.rstrip("/")
     self.timeout = timeout
     self.connect_timeout = min(connect_timeout, timeout)
-    self.api_key = api_key
     self.max_resumes = max_resumes
     self.version = version
     self.retries = retries
@@ -229,7 +229,7 @@ class SGLangEngine:
     except (KeyError, TypeError, IndexError, ValueError) as e:
       raise SGLangError(f"/generate: unexpected answer shape ({e}): {str(answer)[:300]}",
                         Reason.BAD_ANSWER) from None
-    if reason not in ("stop", "length", "abort"):
+    if reason not in FINISH:
       raise SGLangError(f"/generate: unknown finish_reason {fr!r}", Reason.BAD_ANSWER)
     wv = meta.get("weight_version")
     if wv in (None, "", "default"):
@@ -329,9 +329,8 @@ class SGLangEngine:
       ids += new_ids
       lps += new_lps
       versions += [self.version if wv is None else wv] * len(new_ids)
-      if reason != "abort" or len(ids) >= r.max_new_tokens:
-        break
-      if should_abort is not None and should_abort():
+      if (reason != "abort" or len(ids) >= r.max_new_tokens
+          or (should_abort is not None and should_abort())):
         break
     if reason == "abort" and len(ids) >= r.max_new_tokens:
       reason = "length"
@@ -354,10 +353,8 @@ class SGLangEngine:
       while not all(f.done() for f in futures):
         if should_abort():
           for r in requests:
-            try:
+            with contextlib.suppress(SGLangError):
               self._call("/abort_request", {"rid": r.request_id})
-            except SGLangError:
-              pass
           break
         time.sleep(0.05)
     return [f.result() for f in futures]

@@ -20,7 +20,6 @@ in `tasks_given_up`); the worker waits with backoff (doubling from `backoff_min_
 `backoff_max_s`), heartbeating all the while, and counts the failures by reason
 (`engine_failures`).
 
-
 At a fixed lag L (`fixed_lag`, in-process, one worker) the worker does not chase the newest
 weights: once it has pushed k batches' worth of trajectories it loads exactly version
 k - L (counted from the version it started at), waiting for the learner if it must. Which
@@ -60,9 +59,8 @@ class Worker:
     self.loop = AgentLoop(engine, tokenizer, env, agent_cfg)
     self.worker_id, self.weights_mode = worker_id, weights
     self.inflight = max(1, inflight)
-    self.dataset = prompt_dataset(env, "train", seed=seed, shard_index=shard_index,
-                                  num_shards=num_shards)
-    self.tasks = iter(self.dataset)
+    self.tasks = iter(prompt_dataset(env, "train", seed=seed, shard_index=shard_index,
+                                     num_shards=num_shards))
     self.nonce = uuid.uuid4().hex[:8]  # a restarted worker never reuses trajectory ids
     # Sampling seeds come from (seed, worker_id, sample_tag, episode number). By default the
     # tag is the id nonce, so every start samples afresh; an in-process run passes a tag
@@ -212,8 +210,7 @@ class Worker:
   def _finish(self, ep, stop) -> None:
     """Streams a finished episode's trajectory (one that could not generate is skipped)."""
     self._task_failures.pop(ep.task.task_id, None)
-    t = self.loop.trajectory(ep)
-    t.traj_id = f"{self.worker_id}/{self.nonce}/{self.produced}"
+    t = self.loop.trajectory(ep, f"{self.worker_id}/{self.nonce}/{self.produced}")
     self.produced += 1
     self.tokens += t.num_action_tokens
     if t.num_action_tokens:

@@ -35,6 +35,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 import jax.numpy as jnp
@@ -84,12 +85,9 @@ class LocalClient:
 
 def channel_credentials(tls_ca: str, tls_cert: str = "", tls_key: str = ""):
   """Credentials to reach a TLS learner (with a client certificate for mutual TLS)."""
-  def read(p):
-    with open(p, "rb") as f:
-      return f.read()
   return grpc.ssl_channel_credentials(
-      read(tls_ca), private_key=read(tls_key) if tls_key else None,
-      certificate_chain=read(tls_cert) if tls_cert else None)
+      Path(tls_ca).read_bytes(), private_key=Path(tls_key).read_bytes() if tls_key else None,
+      certificate_chain=Path(tls_cert).read_bytes() if tls_cert else None)
 
 
 class WeightsClient:
@@ -98,11 +96,9 @@ class WeightsClient:
   def __init__(self, address: str, *, worker_id: str = "worker", token: str = "",
                tls_ca: str = "", tls_cert: str = "", tls_key: str = ""):
     self.address, self.worker_id = address, worker_id
-    if tls_ca:
-      self.channel = grpc.secure_channel(address, channel_credentials(tls_ca, tls_cert, tls_key),
-                                         options=CHANNEL_OPTIONS)
-    else:
-      self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    self.channel = (grpc.secure_channel(address, channel_credentials(tls_ca, tls_cert, tls_key),
+                                        options=CHANNEL_OPTIONS) if tls_ca
+                    else grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
     self.stub = rpc.Stub(self.channel)
     self._md = (("authorization", f"Bearer {token}"),) if token else None
 
@@ -156,9 +152,7 @@ class WeightsClient:
                               metadata=self._md, timeout=timeout)
     except grpc.RpcError:
       return None
-    return dict(version=r.version, queue_depth=r.queue_depth, queue_capacity=r.queue_capacity,
-                inflight_target=r.inflight_target, shutdown=r.shutdown, hf_dir=r.hf_dir,
-                stats_json=r.stats_json)
+    return {f.name: getattr(r, f.name) for f in r.DESCRIPTOR.fields}  # every LearnerStats field
 
   def close(self):
     self.channel.close()

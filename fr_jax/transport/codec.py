@@ -25,6 +25,9 @@ DTYPES = ("bool", "int8", "uint8", "int16", "int32", "int64", "uint32", "float16
           "float32", "float64")
 CHUNK_BYTES = 4 << 20  # weight chunks; far below the channel's message limit
 MAX_MESSAGE_BYTES = 64 << 20  # gRPC send/receive limit on both ends
+# A record's array fields, each with the dtype it travels in (routed_experts keeps its own).
+RECORD_ARRAYS = {"prompt_tokens": np.int32, "completion_tokens": np.int32, "action_mask": bool,
+                 "behavior_logp": np.float32, "policy_version": np.int32}
 
 
 def _np_dtype(name: str) -> np.dtype:
@@ -64,20 +67,14 @@ def trajectory_to_proto(t: Trajectory, worker_id: str = "") -> pb.Trajectory:
   routed = None if t.routed_experts is None else to_tensor(t.routed_experts)
   return pb.Trajectory(
       prompt_id=str(t.prompt_id), traj_id=t.traj_id,
-      prompt_tokens=to_tensor(t.prompt_tokens.astype(np.int32)),
-      completion_tokens=to_tensor(t.completion_tokens.astype(np.int32)),
-      action_mask=to_tensor(t.action_mask.astype(bool)),
-      behavior_logp=to_tensor(t.behavior_logp.astype(np.float32)),
-      policy_version=to_tensor(t.policy_version.astype(np.int32)),
+      **{f: to_tensor(getattr(t, f).astype(dt)) for f, dt in RECORD_ARRAYS.items()},
       reward=float(t.reward), finish_reason=t.finish_reason, num_tool_calls=t.num_tool_calls,
       num_turns=t.num_turns, env=t.env, worker_id=worker_id, routed_experts=routed)
 
 
 def trajectory_from_proto(m: pb.Trajectory) -> Trajectory:
   """The record as sent; `validate()` (in the learner's admission) checks its contents."""
-  arrays = {f: from_tensor(getattr(m, f), f) for f in
-            ("prompt_tokens", "completion_tokens", "action_mask", "behavior_logp",
-             "policy_version")}
+  arrays = {f: from_tensor(getattr(m, f), f) for f in RECORD_ARRAYS}
   routed = (from_tensor(m.routed_experts, "routed_experts") if m.HasField("routed_experts")
             else None)
   return Trajectory(prompt_id=m.prompt_id, reward=m.reward, finish_reason=m.finish_reason,
@@ -99,13 +96,11 @@ def decode_record(raw: bytes) -> Trajectory:
 def flatten(tree, prefix: str = "") -> dict[str, np.ndarray]:
   """A nested dict of arrays -> {'a/b/c': array} (sorted by name)."""
   out = {}
-  for k in sorted(tree):
-    v = tree[k]
-    name = f"{prefix}{k}"
+  for k, v in sorted(tree.items()):
     if isinstance(v, dict):
-      out.update(flatten(v, name + "/"))
+      out.update(flatten(v, f"{prefix}{k}/"))
     else:
-      out[name] = v
+      out[f"{prefix}{k}"] = v
   return out
 
 

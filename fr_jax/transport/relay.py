@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import logging
 import math
 import threading
@@ -83,8 +84,6 @@ def model_spec(name: str, *, param_dtype: str = "float32",
       raise registry.ModelNotFound(f"GGUF file {path} not found")
     reader = gguf.GGUFReader(str(path))  # memory-mapped: only the metadata is read
     return config_from_gguf(reader, **dt), Tokenizer.from_gguf(reader).files()
-  import json
-
   from fr_jax.models.config import from_hf_config
   path = Path(name.removeprefix("hf:"))
   if not (path / "config.json").is_file():
@@ -134,8 +133,7 @@ def hf_major(params: dict) -> dict:
 
 
 # --- versions on local disk (fr_jax.durable) ---
-version_dir, versions_on_disk, clean_partial = (durable.version_dir, durable.versions_on_disk,
-                                                durable.clean_partial)
+versions_on_disk, clean_partial = durable.versions_on_disk, durable.clean_partial
 
 
 def write_version(root, version: int, params, cfg: ModelConfig,
@@ -224,10 +222,7 @@ class Relay:
                     min_version, e, attempts + 1, backoff)
         backoff = self._wait(backoff, stop)
         continue
-      if got is None:
-        return None
-      v, flat, _ = got
-      return v, flat, attempts, time.perf_counter() - t0
+      return None if got is None else (got[0], got[1], attempts, time.perf_counter() - t0)
     return None
 
   def deliver(self, min_version: int, stop: threading.Event) -> Delivery | None:

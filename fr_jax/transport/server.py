@@ -77,8 +77,7 @@ class _TokenAuth(grpc.ServerInterceptor):
                   for kind in ("unary_unary", "unary_stream", "stream_stream")}
 
   def intercept_service(self, continuation, handler_call_details):
-    md = dict(handler_call_details.invocation_metadata or ())
-    got = md.get("authorization", "")
+    got = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
     got = got.encode() if isinstance(got, str) else bytes(got)
     if hmac.compare_digest(got, self._expected):  # constant time: no timing oracle
       return continuation(handler_call_details)
@@ -146,9 +145,8 @@ class _Servicer:
         engine_version=request.engine_version, trajectories=request.trajectories,
         tokens=request.tokens, uptime_s=request.uptime_s, inflight=request.inflight))
     return pb.LearnerStats(version=r["version"], queue_depth=r["queue_depth"],
-                           queue_capacity=r["queue_capacity"],
-                           inflight_target=r["inflight_target"], shutdown=r["shutdown"],
-                           hf_dir=r["hf_dir"],
+                           queue_capacity=r["queue_capacity"], inflight_target=r["inflight_target"],
+                           shutdown=r["shutdown"], hf_dir=r["hf_dir"],
                            stats_json=json.dumps(self.service.system_metrics()))
 
 

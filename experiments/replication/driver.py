@@ -159,10 +159,14 @@ def warm_start(setting: Setting, seed: int):
   kept in this process and, when CACHE_DIR is set, found there again by a later process.
   info: supervised steps taken and the copy skill reached."""
   key = (setting.warm_key(), seed)
-  if key not in _WARM:
+  if key in _WARM:
+    return _WARM[key]
+  if CACHE_DIR:
     digest = hashlib.sha1(repr(key).encode()).hexdigest()[:16]
-    root = Path(CACHE_DIR) if CACHE_DIR else Path(tempfile.mkdtemp(prefix="fr_jax_warm-"))
-    _WARM[key] = _warm_start(setting, seed, root / f"warm-{digest}")
+    _WARM[key] = _warm_start(setting, seed, Path(CACHE_DIR) / f"warm-{digest}")
+  else:  # its checkpoint and export are not kept
+    with tempfile.TemporaryDirectory(prefix="fr_jax_warm-") as d:
+      _WARM[key] = _warm_start(setting, seed, Path(d))
   return _WARM[key]
 
 

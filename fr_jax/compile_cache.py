@@ -44,9 +44,8 @@ MAX_BYTES = 2 * 2**30  # unless JAX_COMPILATION_CACHE_MAX_SIZE says otherwise
 # 1 s) are not written: on the CPU backend most small programs take 0.05-0.3 s.
 
 
-def default_dir(environ=None) -> str:
-  """$XDG_CACHE_HOME/fr_jax/xla, or ~/.cache/fr_jax/xla."""
-  environ = os.environ if environ is None else environ
+def default_dir(environ) -> str:
+  """$XDG_CACHE_HOME/fr_jax/xla, or ~/.cache/fr_jax/xla, in `environ`."""
   home = environ.get("HOME") or os.path.expanduser("~")
   base = environ.get("XDG_CACHE_HOME") or os.path.join(home, ".cache")
   return os.path.join(base, "fr_jax", "xla")

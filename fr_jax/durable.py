@@ -90,7 +90,7 @@ def write_files(directory, files: dict[str, Data], *, remove: Iterable[str] = ()
   return directory
 
 
-def write_dir(final, fill: Callable[[Path], object], *, mode: int = 0o755) -> Path:
+def write_dir(final, fill: Callable[[Path], object]) -> Path:
   """Makes `final` a directory whose contents `fill(tmp)` wrote, atomically (module doc)."""
   final = Path(final)
   root = final.parent
@@ -102,7 +102,7 @@ def write_dir(final, fill: Callable[[Path], object], *, mode: int = 0o755) -> Pa
     for f in tmp.rglob("*"):
       if f.is_file():
         fsync_path(f)
-    os.chmod(tmp, mode)  # mkdtemp makes it private; a server may run as another user
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; a server may run as another user
     fsync_path(tmp)
     if final.exists():
       old = root / f".{final.name}.replaced-{os.getpid()}"

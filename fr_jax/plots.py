@@ -79,8 +79,7 @@ def plot_run(run_dir) -> str:
   fig, axes = plt.subplots(2, 3, figsize=(14, 7.5))
   ax = axes.flat
   _held_out_panel(ax[0], evals, "accuracy", "accuracy")
-  key = "tool_calls_per_trajectory"
-  _held_out_panel(ax[1], evals, key, "tool calls / episode")
+  _held_out_panel(ax[1], evals, "tool_calls_per_trajectory", "tool calls / episode")
   xs = [r["step"] for r in rows]
   reward = [float(r["reward_mean"]) for r in rows]
   ax[2].plot(xs, reward, ".", alpha=0.4, label="batch mean")

@@ -5,7 +5,6 @@ all-in-one-process trainer. The launches (`launch/train.py`, `launch/learner.py`
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import threading
@@ -43,18 +42,16 @@ def build_service(c: ml_collections.ConfigDict, model=None, *, resume: bool = Tr
   export = str(run / "exports") if (s.export_hf and run) else ""
   service = LearnerService(
       learner, queue_capacity=s.queue_capacity, max_lag=c.max_policy_lag,
-      publish_every=s.publish_every, hf_export_dir=export, inflight=0, controller=controller,
+      publish_every=s.publish_every, hf_export_dir=export, controller=controller,
       max_length=c.agent.max_total_tokens,
       admission_log=str(run / "admission.log") if (admission_log and run) else "",
       dead_letter=str(run / "dead_letter.jsonl") if run else "", log_fsync=s.log_fsync,
       max_producers=s.max_producers, producer_ttl_versions=s.producer_ttl_versions,
       worker_timeout_s=s.worker_timeout_s, keep_versions=max(1, c.rollout.fixed_lag + 1),
       encode=codec.encode_record, decode=codec.decode_record)
-  if resume:
-    meta = service.restore()
-    if meta is not None:
-      log.info("resumed at version %d (%d trajectories already used)", service.version,
-               service.used)
+  if resume and service.restore() is not None:
+    log.info("resumed at version %d (%d trajectories already used)", service.version,
+             service.used)
   return learner, service
 
 
@@ -112,17 +109,10 @@ def build_worker(c: ml_collections.ConfigDict, client, model, *, index: int, num
                 engine_errors=engine_errors)
 
 
-@dataclasses.dataclass
-class WorkerThreads:
-  """Workers as threads of this process; a worker that raises is logged and restarted."""
-
-  threads: list
-  stop: threading.Event
-  errors: list
-
-
 def start_worker_threads(c, service, model, n: int, stop: threading.Event,
-                         max_restarts: int = 3) -> WorkerThreads:
+                         max_restarts: int = 3) -> tuple[list, list]:
+  """(threads, errors): workers as threads of this process; a worker that raises is logged
+  (in `errors`) and restarted."""
   from fr_jax.transport.client import LocalClient
   errors: list = []
 
@@ -152,7 +142,7 @@ def start_worker_threads(c, service, model, n: int, stop: threading.Event,
              for i in range(n)]
   for t in threads:
     t.start()
-  return WorkerThreads(threads, stop, errors)
+  return threads, errors
 
 
 def train_in_process(c: ml_collections.ConfigDict, *, model=None,
@@ -168,12 +158,12 @@ def train_in_process(c: ml_collections.ConfigDict, *, model=None,
   learner, service = build_service(c, model)
   learner_stop = stop or threading.Event()
   stop = threading.Event()  # the workers'
-  workers = start_worker_threads(c, service, model, c.rollout.num_workers, stop)
+  threads, errors = start_worker_threads(c, service, model, c.rollout.num_workers, stop)
 
   def watchdog():  # every worker gave up: stop rather than wait for data forever
     while not stop.is_set():
-      if not any(t.is_alive() for t in workers.threads):
-        log.error("all rollout workers stopped (%s); ending the run", workers.errors[-3:])
+      if not any(t.is_alive() for t in threads):
+        log.error("all rollout workers stopped (%s); ending the run", errors[-3:])
         learner_stop.set()
         return
       time.sleep(0.5)
@@ -186,10 +176,10 @@ def train_in_process(c: ml_collections.ConfigDict, *, model=None,
   finally:
     stop.set()
     service.close()
-    for t in workers.threads:
+    for t in threads:
       t.join(timeout=60)
     learner.close()
-  summary["worker_errors"] = workers.errors
+  summary["worker_errors"] = errors
   summary["tool_isolation"] = tool_isolation(c)
   return summary
 

@@ -40,7 +40,7 @@ def load_config():
   if flags.FLAGS.run_dir is not None:
     c.run_dir = flags.FLAGS.run_dir
   try:
-    c = rcfg.resolve_dirs(rcfg.validate(c))
+    c = rcfg.validate(c)  # directories resolved from run_dir too
   except rcfg.ConfigError as e:
     fail(f"config error: {e}")
   from fr_jax import compile_cache

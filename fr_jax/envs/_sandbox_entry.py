@@ -234,11 +234,9 @@ def _code_child(spec, work, root_worker):
 
 
 def _report(status_fd, st):
+  ended = {"signal": os.WTERMSIG(st)} if os.WIFSIGNALED(st) else {"exit": os.WEXITSTATUS(st)}
   with os.fdopen(status_fd, "w") as status:
-    if os.WIFSIGNALED(st):
-      status.write(json.dumps({"signal": os.WTERMSIG(st)}))
-    else:
-      status.write(json.dumps({"exit": os.WEXITSTATUS(st)}))
+    status.write(json.dumps(ended))
 
 
 def _supervise(spec, code, root_worker):

@@ -105,13 +105,9 @@ def probe() -> tuple[bool, str]:
     return _PROBE
 
 
-def namespaces_available() -> bool:
-  return probe()[0]
-
-
 def isolation_mode(limits: Limits = Limits()) -> str:
   """What a call with `limits` gets here: namespaces, limits-only or unavailable."""
-  if namespaces_available():
+  if probe()[0]:
     return "namespaces"
   return "limits-only" if limits.allow_limits_only else "unavailable"
 

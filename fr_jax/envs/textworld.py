@@ -133,7 +133,7 @@ class Household:
     m = re.fullmatch(r"go to (.+)", cmd)
     if m and m.group(1) in self.recs:
       r = self.at = m.group(1)
-      if r.split()[0] in OPENABLE and r not in self.opened:
+      if not self._accessible(r):
         return f"You arrive at {r}. The {r} is closed."
       return f"You arrive at {r}. On the {r}, you see {self._contents(r)}."
     m = re.fullmatch(r"(open|close) (.+)", cmd)

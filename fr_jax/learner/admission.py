@@ -83,12 +83,10 @@ class AdmissionLog:
     self.fsync = fsync
     self._lock = threading.Lock()
     self._live: dict[str, list] = {}  # traj_id -> [raw, settled version or None], in order
-    self._fd: int | None = None
-    self._size = 0  # bytes of whole frames
     self.write_failures = 0
     existed = self.path.exists()
-    self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    self._size = os.fstat(self._fd).st_size
+    self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    self._size = os.fstat(self._fd).st_size  # bytes of whole frames
     if not existed:
       durable.fsync_path(self.path.parent)
 
@@ -115,7 +113,6 @@ class AdmissionLog:
           os.fsync(self._fd)
       except OSError:
         self.write_failures += 1
-        self._drop_fd()
         try:
           self._reopen()  # the file ends on its last whole frame again
         except OSError as e:
@@ -134,6 +131,8 @@ class AdmissionLog:
       self._fd = None
 
   def _reopen(self):
+    """Closes the current descriptor, if any, and opens the file again cut to `_size`."""
+    self._drop_fd()
     fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
     try:
       os.ftruncate(fd, self._size)
@@ -169,7 +168,6 @@ class AdmissionLog:
   def _rewrite(self, entries: dict) -> None:  # holds the lock
     data = b"".join(_frame(e[0]) for e in entries.values())
     durable.write_file(self.path, data)
-    self._drop_fd()
     self._size = len(data)
     self._live = entries
     try:
@@ -190,7 +188,6 @@ class AdmissionLog:
         log.error("admission log %s: rewrite at start failed (%s); keeping the old file",
                   self.path, e)
         self._live, self._size = live, valid_end
-        self._drop_fd()
         self._reopen()
 
   @staticmethod
@@ -240,8 +237,7 @@ class DeadLetters:
         os.fsync(fd)
       finally:
         os.close(fd)
-    for r in rows:
-      self.counts[r["reason"]] += 1
+    self.counts.update(r["reason"] for r in rows)
 
   @staticmethod
   def row(traj, reason: str, version: int, detail: str = "",
@@ -299,9 +295,7 @@ class Producers:
     """Records an admission at learner `version`, then evicts producers that owe nothing and
     were last heard before `safe_version` (the published one): those silent for more than
     `ttl_versions` versions, and the least recent ones while the table is over its size."""
-    e = self._p.get(producer)
-    if e is None:
-      e = self._p[producer] = [seq, [], version]
+    e = self._p.setdefault(producer, [seq, [], version])
     e[0] = max(e[0], seq)
     e[1].append(seq)
     e[2] = max(e[2], version)

@@ -16,10 +16,9 @@ from fr_jax import durable
 
 def _scalar(v):
   try:
-    f = float(v)
+    return float(v)
   except (TypeError, ValueError):
     return None
-  return f
 
 
 class MetricsWriter:
@@ -27,8 +26,7 @@ class MetricsWriter:
 
   def __init__(self, directory: str | None):
     self.dir = Path(directory) if directory else None
-    self._jsonl = None
-    self._tb = None
+    self._jsonl = self._tb = None
     if self.dir:
       self.dir.mkdir(parents=True, exist_ok=True)
       self._jsonl = open(self.dir / "metrics.jsonl", "a", buffering=1)

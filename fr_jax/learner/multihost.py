@@ -107,8 +107,7 @@ def secret_from_env() -> str:
 
 
 def initialize(coordinator_address: str = "", num_processes: int = 0, process_id: int = -1,
-               *, secret: str = "", bind_address: str = "",
-               cpu_collectives: str = "gloo") -> None:
+               *, secret: str = "", bind_address: str = "") -> None:
   """`jax.distributed.initialize`, before anything touches a device. Empty/zero/-1 values are
   left for JAX to detect from the cluster (Slurm, TPU VMs, ...). On the CPU backend the
   cross-process collectives are gloo's.
@@ -122,8 +121,7 @@ def initialize(coordinator_address: str = "", num_processes: int = 0, process_id
     raise NoSecret("a multi-process learner signs its calls with a shared secret: set "
                    f"${SECRET_ENV[1]} (or ${SECRET_ENV[0]}, or pass --auth_token) to the same "
                    "value on every process")
-  if cpu_collectives:
-    jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
   if not coordinator_address:  # as jax.distributed would find it, so that it can bind there
     from jax._src import clusters
     coordinator_address, num_processes, process_id, _ = (

@@ -68,7 +68,7 @@ class LearnerService(Recovery):
   versions stay available by number (`weights_at`: a worker at a fixed lag)."""
 
   def __init__(self, learner, *, queue_capacity: int = 256, max_lag: int = -1,
-               publish_every: int = 1, hf_export_dir: str = "", inflight: int = 0,
+               publish_every: int = 1, hf_export_dir: str = "",
                controller: InflightController | None = None, max_length: int | None = None,
                admission_log: str = "", dead_letter: str = "", log_fsync: bool = True,
                max_producers: int = 65536, producer_ttl_versions: int = 100,
@@ -81,7 +81,7 @@ class LearnerService(Recovery):
     self.publish_every = max(1, int(publish_every))
     self.publisher = Publisher(learner, hf_export_dir, keep=keep_versions)
     self.controller = controller
-    self.inflight = controller.value if controller else int(inflight)
+    self.inflight = controller.value if controller else 0
     # Records are validated once, here, with one length limit: the run's (the agent's
     # max_total_tokens, which config validation keeps within what a packed row holds), or
     # else the row's. The learner's update takes them as they are.
@@ -372,8 +372,7 @@ class LearnerService(Recovery):
                  arrival_tokens_per_s=self.arrival_tokens / elapsed,
                  workers=len(self.workers), producers=len(self.producers),
                  inflight_target=self.inflight)
-      for r, n in self.rejected.items():
-        out[f"rejected_{r}"] = n
+      out.update({f"rejected_{r}": n for r, n in self.rejected.items()})
       if self.log is not None:
         out.update(log_records=len(self.log), log_bytes=self.log.size_bytes,
                    log_write_failures=self.log.write_failures)
@@ -382,14 +381,13 @@ class LearnerService(Recovery):
   def summary(self) -> dict:
     s = self.system_metrics()
     with self._lock:
-      lags = sorted(self.lag_hist)
       return dict(
           updates=self.updates, version=self.version,
           trajectories_admitted=self.admitted, trajectories_used=self.used,
           rejected_by_reason=dict(self.rejected),
           dead_lettered_by_reason=dict(self.dead.counts),
           max_lag=self.max_lag_seen,
-          lag_histogram={str(k): self.lag_hist[k] for k in lags},
+          lag_histogram={str(k): self.lag_hist[k] for k in sorted(self.lag_hist)},
           learner_idle_fraction=round(s["learner_idle_fraction"], 4),
           startup_wait_s=round(self.startup_wait_s, 2),
           update_loop_s=round(self.loop_s, 1),

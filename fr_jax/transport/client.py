@@ -159,12 +159,10 @@ class WeightsClient:
 
 
 class GrpcClient(WeightsClient):
-  def __init__(self, address: str, *, worker_id: str = "worker", token: str = "",
-               tls_ca: str = "", tls_cert: str = "", tls_key: str = "", outbox_size: int = 8,
-               max_unacked: int = 8, backoff_min: float = 0.2, backoff_max: float = 5.0,
-               on_ack: Callable[[str, bool, str], None] | None = None):
-    super().__init__(address, worker_id=worker_id, token=token, tls_ca=tls_ca,
-                     tls_cert=tls_cert, tls_key=tls_key)
+  def __init__(self, address: str, *, outbox_size: int = 8, max_unacked: int = 8,
+               backoff_min: float = 0.2, backoff_max: float = 5.0,
+               on_ack: Callable[[str, bool, str], None] | None = None, **connection):
+    super().__init__(address, **connection)  # worker_id, token, tls_*: see WeightsClient
     self._cv = threading.Condition()  # guards the outbox, the pending records, _gen
     self._outbox: collections.deque = collections.deque()  # pushed, not yet sent
     self._pending: collections.OrderedDict = collections.OrderedDict()  # sent, not acked
@@ -177,7 +175,7 @@ class GrpcClient(WeightsClient):
     self.reconnects = 0
     self.backoff_min, self.backoff_max = backoff_min, backoff_max
     self._closed = threading.Event()
-    self._sender = threading.Thread(target=self._send_loop, name=f"push-{worker_id}",
+    self._sender = threading.Thread(target=self._send_loop, name=f"push-{self.worker_id}",
                                     daemon=True)
     self._sender.start()
 

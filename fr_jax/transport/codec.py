@@ -144,8 +144,7 @@ def weight_chunks(version: int, flat: dict[str, np.ndarray], hf_dir: str = "",
                   crcs: dict[str, int] | None = None) -> Iterator[pb.WeightsChunk]:
   """Every tensor as one or more byte-range chunks; the first chunk carries the count and
   each tensor's last chunk its CRC-32 (`crcs`, computed here when not given)."""
-  first = True
-  for name, a in flat.items():
+  for i, (name, a) in enumerate(flat.items()):
     a = np.ascontiguousarray(a)
     dname = _dtype_name(a)
     data = memoryview(a.reshape(-1).view(np.uint8))
@@ -156,10 +155,9 @@ def weight_chunks(version: int, flat: dict[str, np.ndarray], hf_dir: str = "",
       if crcs is None:
         crc = zlib.crc32(piece, crc)
       last = off + chunk_bytes >= total
-      yield pb.WeightsChunk(version=version, num_tensors=len(flat) if first else 0, name=name,
+      yield pb.WeightsChunk(version=version, num_tensors=0 if i or off else len(flat), name=name,
                             dtype=dname, shape=list(a.shape), offset=off, total_bytes=total,
                             data=bytes(piece), hf_dir=hf_dir, crc32=crc if last else None)
-      first = False
 
 
 class _Partial:

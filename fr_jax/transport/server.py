@@ -141,13 +141,10 @@ class _Servicer:
     yield from codec.weight_chunks(v, flat, hf_dir=self.service.hf_dir, crcs=crcs)
 
   def Heartbeat(self, request, context):
-    r = self.service.heartbeat(request.worker_id, dict(
-        engine_version=request.engine_version, trajectories=request.trajectories,
-        tokens=request.tokens, uptime_s=request.uptime_s, inflight=request.inflight))
-    return pb.LearnerStats(version=r["version"], queue_depth=r["queue_depth"],
-                           queue_capacity=r["queue_capacity"], inflight_target=r["inflight_target"],
-                           shutdown=r["shutdown"], hf_dir=r["hf_dir"],
-                           stats_json=json.dumps(self.service.system_metrics()))
+    stats = {f.name: getattr(request, f.name) for f in request.DESCRIPTOR.fields
+             if f.name != "worker_id"}  # every other WorkerStats field
+    r = self.service.heartbeat(request.worker_id, stats)  # the LearnerStats fields but stats_json
+    return pb.LearnerStats(**r, stats_json=json.dumps(self.service.system_metrics()))
 
 
 def check_credentials(address: str, *, token: str = "", tls_cert: str = "", tls_key: str = "",

@@ -5,6 +5,8 @@ for SmolLM2-135M, fr_jax against a PyTorch + transformers peer on the same data.
   .venv/bin/python -m experiments.benchmarks.learner --cases=long [--long_lens=4096,8192]
   .venv/bin/python -m experiments.benchmarks.learner --cases=ragged --minibatches=4 \
       --notorch_peer   # one update() call makes 4 consecutive steps of B/4 (timed per call)
+  .venv/bin/python -m experiments.benchmarks.learner --model=tiny-chat --notorch_peer \
+      --cases=fixed --dtypes=float32 --repeats=41   # the per-update overhead, not the model
 
 Cases:
   fixed:  B=8 trajectories of 256 tokens (64 prompt + 192 completion, 10% tool tokens).
@@ -46,6 +48,8 @@ flags.DEFINE_list("cases", ["fixed", "ragged"], "which cases to run")
 flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "fr_jax compute dtypes")
 flags.DEFINE_bool("torch_peer", True, "run the PyTorch + transformers peer")
 flags.DEFINE_list("long_lens", ["4096", "8192", "16384"], "row lengths of the long case")
+flags.DEFINE_string("model", "smollm2-135m-instruct", "fr_jax: the registry model (a tiny one, "
+                    "e.g. tiny-chat, shows the per-update overhead; the peer needs the default)")
 flags.DEFINE_string("attention", None, "model.attention for fr_jax (default: the config's)")
 flags.DEFINE_integer("minibatches", 1, "fr_jax: split each case's batch into this many "
                      "consecutive updates (the sequential-minibatch ablation)")
@@ -217,7 +221,10 @@ def main(argv):
   emit("matmul_peak", n=2048, float32_gflops=round(peaks["float32"] / 1e9, 1),
        bf16_in_f32_acc_gflops=round(peaks["bfloat16"] / 1e9, 1),
        torch_float32_gflops=torch_peak and round(torch_peak / 1e9, 1))
-  model = registry.load("smollm2-135m-instruct")
+  if F.torch_peer and F.model != "smollm2-135m-instruct":
+    raise app.UsageError("the torch peer runs SmolLM2-135M only: pass --notorch_peer")
+  model = registry.load(F.model)
+  emit("model", name=F.model, params=model.config.num_params)
   rng = np.random.default_rng(0)
   summary = {}
   for case in F.cases:

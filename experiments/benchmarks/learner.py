@@ -49,7 +49,8 @@ flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "fr_jax compute dtypes")
 flags.DEFINE_bool("torch_peer", True, "run the PyTorch + transformers peer")
 flags.DEFINE_list("long_lens", ["4096", "8192", "16384"], "row lengths of the long case")
 flags.DEFINE_string("model", "smollm2-135m-instruct", "fr_jax: the registry model (a tiny one, "
-                    "e.g. tiny-chat, shows the per-update overhead; the peer needs the default)")
+                    "e.g. tiny-chat, shows the per-update overhead); the peer and the long "
+                    "case run SmolLM2")
 flags.DEFINE_string("attention", None, "model.attention for fr_jax (default: the config's)")
 flags.DEFINE_integer("minibatches", 1, "fr_jax: split each case's batch into this many "
                      "consecutive updates (the sequential-minibatch ablation)")
@@ -208,6 +209,8 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   if F.long_one:
     return long_one(F.long_one)
+  if F.torch_peer and F.model != "smollm2-135m-instruct":
+    raise app.UsageError("the torch peer runs SmolLM2-135M only: pass --notorch_peer")
   import jax
 
   from fr_jax.learner import config as lcfg
@@ -221,8 +224,6 @@ def main(argv):
   emit("matmul_peak", n=2048, float32_gflops=round(peaks["float32"] / 1e9, 1),
        bf16_in_f32_acc_gflops=round(peaks["bfloat16"] / 1e9, 1),
        torch_float32_gflops=torch_peak and round(torch_peak / 1e9, 1))
-  if F.torch_peer and F.model != "smollm2-135m-instruct":
-    raise app.UsageError("the torch peer runs SmolLM2-135M only: pass --notorch_peer")
   model = registry.load(F.model)
   emit("model", name=F.model, params=model.config.num_params)
   rng = np.random.default_rng(0)

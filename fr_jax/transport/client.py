@@ -152,7 +152,7 @@ class WeightsClient:
                               metadata=self._md, timeout=timeout)
     except grpc.RpcError:
       return None
-    return {f.name: getattr(r, f.name) for f in r.DESCRIPTOR.fields}  # every LearnerStats field
+    return rpc.fields(r)
 
   def close(self):
     self.channel.close()

@@ -28,6 +28,12 @@ def add_to_server(servicer, server) -> None:
   server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
 
 
+def fields(message, skip: tuple = ()) -> dict:
+  """A message's fields as a dict (the heartbeat's stats both ways), less those in `skip`."""
+  return {f.name: getattr(message, f.name) for f in message.DESCRIPTOR.fields
+          if f.name not in skip}
+
+
 def method_kind(full_method: str) -> str:
   """'/fr_jax.Learner/GetWeights' -> 'unary_stream' (None-safe for unknown methods)."""
   return METHODS.get(full_method.rsplit("/", 1)[-1], ("unary_unary",))[0]

@@ -141,8 +141,7 @@ class _Servicer:
     yield from codec.weight_chunks(v, flat, hf_dir=self.service.hf_dir, crcs=crcs)
 
   def Heartbeat(self, request, context):
-    stats = {f.name: getattr(request, f.name) for f in request.DESCRIPTOR.fields
-             if f.name != "worker_id"}  # every other WorkerStats field
+    stats = rpc.fields(request, skip=("worker_id",))
     r = self.service.heartbeat(request.worker_id, stats)  # the LearnerStats fields but stats_json
     return pb.LearnerStats(**r, stats_json=json.dumps(self.service.system_metrics()))
 

@@ -9,11 +9,19 @@ Segments are placed first-fit-decreasing into rows of `row_len` positions. Rows 
 into micro-batches whose row counts come from a small fixed set (`row_buckets`), so the update
 compiles at most once per bucket. Every micro-batch of a bucket has the same static number of
 segment slots, S = rows * max_segments_per_row.
+
+The LM head need only score the positions the objective reads, the action targets.
+`action_index` [R, K] names them per row (in order, then padded with the row's other
+positions, so that every index is distinct): K is the smallest of `head_buckets` (fractions of
+`row_len`) that holds the row with the most action positions, so a bucket of rows compiles at
+most once per head bucket. When none holds it (or `head_buckets` is empty), `action_index` is
+None and the head scores every position.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -33,6 +41,7 @@ class PackingSpec:
   row_len: int = 4096
   row_buckets: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
   max_segments_per_row: int = 32
+  head_buckets: tuple[float, ...] = ()  # fractions of row_len in (0, 1), ascending
 
   def __post_init__(self):
     if self.row_len < 1:
@@ -42,6 +51,19 @@ class PackingSpec:
       raise PackingError(f"row_buckets={b} must be distinct positive ints in ascending order")
     if self.max_segments_per_row < 1:
       raise PackingError(f"max_segments_per_row={self.max_segments_per_row} must be >= 1")
+    h = tuple(self.head_buckets)
+    if any(not 0 < f < 1 for f in h) or list(h) != sorted(set(h)):
+      raise PackingError(f"head_buckets={h} must be distinct fractions in (0, 1), ascending")
+
+  def head_width(self, actions: int) -> int | None:
+    """Positions per row the head scores when a row has at most `actions` action positions:
+    the smallest head bucket's width (ceil(fraction * row_len)) that holds them, else None
+    (every position)."""
+    for f in self.head_buckets:
+      k = math.ceil(f * self.row_len)
+      if k >= actions:
+        return k
+    return None
 
   @property
   def max_rows(self) -> int:
@@ -77,6 +99,14 @@ class PackedBatch(NamedTuple):
   # models whose records carry them; `pack(routing=...)`), else None. Padding positions get
   # experts 0..k-1.
   routes: np.ndarray | None = None
+  # int32 [R, K]: per row, the action positions in order, then the row's other positions up
+  # to K (`PackingSpec.head_width`); None: the head scores every position.
+  action_index: np.ndarray | None = None
+
+  @property
+  def head_width(self) -> int:
+    """Positions per row the LM head scores."""
+    return self.tokens.shape[1] if self.action_index is None else self.action_index.shape[1]
 
   @property
   def shape(self) -> tuple[int, int, int]:
@@ -189,4 +219,13 @@ def _fill(trajs, rows, R, spec, routing=None) -> PackedBatch:
       slot += 1
       col += n
   return PackedBatch(tokens, targets, positions, segment_ids, action_mask, behavior_logp,
-                     rewards, valid, traj_index, version, routes)
+                     rewards, valid, traj_index, version, routes,
+                     action_index(action_mask, spec.head_width(action_mask.sum(1).max())))
+
+
+def action_index(action_mask: np.ndarray, width: int | None) -> np.ndarray | None:
+  """[R, width] int32: each row's action positions in order, then its other positions (a
+  stable sort of the positions, actions first); None for width None."""
+  if width is None:
+    return None
+  return np.argsort(~action_mask, axis=1, kind="stable")[:, :width].astype(np.int32)

@@ -64,10 +64,12 @@ def test_update_compiled_from_shapes_is_the_learners_own():
   from fr_jax.learner.compile import compile_update_from_shapes
   c = tiny_config(**{"mesh.data": 2, "mesh.fsdp": 4})
   L = Learner(c)
-  L.update(batches(1)[0])
-  ((kind, shape, _), (exe, _)), = L._compiled.items()
-  abstract, mesh = compile_update_from_shapes(c, registry.load("tiny-llama").config, shape[0])
-  assert dict(mesh.shape) == {"data": 2, "fsdp": 4} and kind == "update"
+  L.update(batches(1, prompt_len=(30, 60), median_completion=12)[0])  # short actions
+  ((kind, shape, width, _), (exe, _)), = L._compiled.items()
+  assert width < shape[1]  # the head scored a bucket of positions, not the whole row
+  abstract, mesh, head = compile_update_from_shapes(
+      c, registry.load("tiny-llama").config, shape[0], action_fraction=width / shape[1])
+  assert dict(mesh.shape) == {"data": 2, "fsdp": 4} and kind == "update" and head == width
   m1, m2 = exe.memory_analysis(), abstract.memory_analysis()
   for f in ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes"):
     assert getattr(m1, f) == getattr(m2, f), f

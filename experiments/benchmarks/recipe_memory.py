@@ -30,6 +30,8 @@ flags.DEFINE_string("recipe", "experiments.configs.r1_distill_1p5b_longcot", "co
 flags.DEFINE_integer("rows", 0, "rows per micro-batch (0: the recipe's smallest bucket)")
 flags.DEFINE_integer("row_len", 0, "tokens per row (0: the recipe's)")
 flags.DEFINE_string("attention", None, "model.attention (default: the recipe's)")
+flags.DEFINE_float("action_fraction", 1.0, "the fraction of each row's positions that are "
+                   "actions: the LM head scores the head bucket that holds them (1: all)")
 F = flags.FLAGS
 
 def main(argv):
@@ -49,13 +51,15 @@ def main(argv):
   rows = F.rows or min(c.packing.row_buckets)
   cfg = shape_config("r1-distill-qwen-1.5b")
   t0 = time.perf_counter()
-  exe, mesh = compile_update_from_shapes(c, cfg, rows)
+  exe, mesh, head = compile_update_from_shapes(c, cfg, rows,
+                                               action_fraction=F.action_fraction)
   m = exe.memory_analysis()
   gib = lambda b: round(b / 2**30, 2)  # noqa: E731
   emit("compiled", recipe=F.recipe, model="R1-Distill-Qwen-1.5B shapes",
        params_b=round(cfg.num_params / 1e9, 3), mesh=dict(mesh.shape),
        devices=mesh.devices.size, rows=rows, row_len=c.packing.row_len,
-       tokens_per_micro_batch=rows * c.packing.row_len,
+       tokens_per_micro_batch=rows * c.packing.row_len, action_fraction=F.action_fraction,
+       head_positions_per_row=head,
        rows_per_device=rows / mesh.devices.size, attention=c.model.attention,
        compute_dtype=c.model.compute_dtype, param_dtype=c.model.param_dtype,
        remat=c.model.remat, compile_s=round(time.perf_counter() - t0, 1),

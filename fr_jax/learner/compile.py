@@ -10,6 +10,8 @@ unset.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
 
 import jax
@@ -22,7 +24,7 @@ from fr_jax.learner import config as lcfg
 from fr_jax.learner import mesh as meshlib
 from fr_jax.learner import optim, step
 from fr_jax.models import decoder
-from fr_jax.packing import PackingSpec, pack
+from fr_jax.packing import pack
 from fr_jax.trajectory import Trajectory
 
 
@@ -78,11 +80,13 @@ def jit_update(sc, optimizer, lr_schedule, state_shardings, mesh):
 
 
 def compile_update_from_shapes(config: ml_collections.ConfigDict, model_config, rows: int,
-                               devices=None):
+                               devices=None, action_fraction: float = 1.0):
   """The learner's update step compiled for a micro-batch of `rows` packed rows of
   `packing.row_len` tokens, on the config's mesh, from shapes alone: no parameter or optimizer
   state is materialised, so a config far larger than this machine's memory compiles. The
-  executable's `memory_analysis()` is per device. Returns (executable, mesh)."""
+  LM head scores the head bucket (`packing.head_buckets`) that holds rows whose
+  `action_fraction` of positions are actions (1: every position). The executable's
+  `memory_analysis()` is per device. Returns (executable, mesh, head positions per row)."""
   c = lcfg.ensure_valid(config)
   model_config = learner_model_config(c, model_config)
   mesh = meshlib.make_mesh(c.mesh.data, c.mesh.fsdp, devices)
@@ -103,12 +107,14 @@ def compile_update_from_shapes(config: ml_collections.ConfigDict, model_config, 
   if model_config.is_moe:
     routing = model_config.routing_shape
     tiny.routed_experts = np.zeros((1, *routing), model_config.routing_dtype)
-  (b,) = pack([tiny], PackingSpec(c.packing.row_len, (rows,),
-                                  c.packing.max_segments_per_row), routing).batches
+  spec = lcfg.packing_spec(c)
+  (b,) = pack([tiny], dataclasses.replace(spec, row_buckets=(rows,)), routing).batches
+  width = spec.head_width(math.ceil(action_fraction * spec.row_len))
+  b = b._replace(action_index=None if width is None else np.zeros((rows, width), np.int32))
   batch = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), b,
                        meshlib.batch_sharding(b, mesh))
   rep = meshlib.replicated(mesh)
   stats = obj.BatchStats(*[jax.ShapeDtypeStruct((), jnp.float32, sharding=rep)] * 3)
   fn = jit_update(step_config(c, model_config), optimizer, lr_schedule, shardings, mesh)
   with jax.set_mesh(mesh):  # the model's per-shard paths read it (moe._experts)
-    return fn.lower(state, None, batch, stats).compile(), mesh
+    return fn.lower(state, None, batch, stats).compile(), mesh, b.head_width

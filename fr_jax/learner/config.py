@@ -21,6 +21,7 @@ import ml_collections
 
 from fr_jax import objective as obj
 from fr_jax.models.config import MOE_IMPLS, ConfigError, check_attention
+from fr_jax.packing import PackingError, PackingSpec
 
 __all__ = ["LOSSES", "ConfigError", "check_fields", "default_config", "ensure_valid",
            "remember_valid", "validate"]
@@ -79,6 +80,11 @@ def default_config() -> ml_collections.ConfigDict:
       row_len=4096,
       row_buckets=(1, 2, 3, 4, 5, 6, 7, 8),  # rows per micro-batch; multiples of the mesh size
       max_segments_per_row=32,
+      # The LM head scores only the action positions (fr_jax.packing): per row, the smallest
+      # of these fractions of row_len that holds the row with the most action positions, or
+      # every position when none does. Each bucket used compiles once per row bucket; () : the
+      # head always scores every position.
+      head_buckets=(0.125, 0.25, 0.5),
   ))
   c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1))
   c.max_updates = 100  # total updates (a resumed run counts the restored ones)
@@ -137,6 +143,12 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   return c
 
 
+def packing_spec(c: ml_collections.ConfigDict) -> PackingSpec:
+  p = c.packing
+  return PackingSpec(p.row_len, tuple(p.row_buckets), p.max_segments_per_row,
+                     tuple(p.head_buckets))
+
+
 def check_fields(c: ml_collections.ConfigDict) -> None:
   """The learner's checks and derivations, without marking `c` validated (the run config's
   `validate` adds its own checks first)."""
@@ -160,6 +172,10 @@ def check_fields(c: ml_collections.ConfigDict) -> None:
   if bad:
     raise ConfigError(f"packing.row_buckets {bad} are not multiples of the mesh size "
                       f"data*fsdp={n_shards}; rows are split over the mesh")
+  try:
+    packing_spec(c)
+  except PackingError as e:
+    raise ConfigError(f"packing: {e}") from None
   if c.max_updates < 1:
     raise ConfigError(f"max_updates={c.max_updates} must be >= 1")
   if c.optim.total_steps == 0:

@@ -41,7 +41,7 @@ from fr_jax.learner.metrics import MetricsWriter
 from fr_jax.learner.programs import PROGRAMS
 from fr_jax.models import registry
 from fr_jax.models.hf_io import export_hf
-from fr_jax.packing import PackingSpec, pack
+from fr_jax.packing import pack
 from fr_jax.trajectory import Trajectory
 
 log = logging.getLogger("fr_jax.learner")
@@ -65,8 +65,7 @@ class Learner:
     self.model_config = compiling.learner_model_config(c, model.config)
     self.tokenizer = model.tokenizer
     self.mesh = meshlib.make_mesh(c.mesh.data, c.mesh.fsdp, devices)
-    self.spec = PackingSpec(c.packing.row_len, tuple(c.packing.row_buckets),
-                            c.packing.max_segments_per_row)
+    self.spec = lcfg.packing_spec(c)
     self.optimizer = optim.make_optimizer(c.optim)
     self.lr_schedule = optim.schedule(c.optim)
     dtype = jnp.dtype(c.model.param_dtype)
@@ -144,7 +143,7 @@ class Learner:
   # --- compilation ---
   def _executable(self, kind, *args):
     b = args[2]
-    key = (kind, b.shape, args[1] is not None)
+    key = (kind, b.shape, b.head_width, args[1] is not None)
     if key not in self._compiled:
       fn = self._jit_update if kind == "update" else self._jit_accumulate
 
@@ -159,8 +158,8 @@ class Learner:
       self._compiled[key] = (exe, flops)
       dt = time.perf_counter() - t0
       self.compile_s += dt
-      log.info("%s %s for micro-batch %s in %.1fs (%.3g FLOPs)",
-               "compiled" if compiled else "reused", kind, b.shape, dt, flops)
+      log.info("%s %s for micro-batch %s, head over %d positions a row, in %.1fs (%.3g FLOPs)",
+               "compiled" if compiled else "reused", kind, b.shape, b.head_width, dt, flops)
     return self._compiled[key]
 
   def _program_key(self, kind: str, args) -> tuple:

@@ -83,7 +83,8 @@ def _grads_and_sums(params, batch, stats: obj.BatchStats, sc: StepConfig):
   def loss_fn(params):
     logp, entropy, routing = scoring.score_packed(
         params, sc.model, batch.tokens, batch.targets, batch.positions, batch.segment_ids,
-        sc.temperature, remat=sc.remat, routes=routes, routing_out=True)
+        sc.temperature, remat=sc.remat, routes=routes, routing_out=True,
+        action_index=batch.action_index)
     if sc.loss == "sft":
       # Supervised: the objective with A_i = 1, rho = 1 and no gate, i.e. the mean over
       # sequences of each one's mean negative log-likelihood of its action tokens (or the
@@ -146,7 +147,8 @@ def _grads_and_sums(params, batch, stats: obj.BatchStats, sc: StepConfig):
   if batch.routes is not None and sc.routing_counterfactual and sc.loss != "sft":
     other, _ = scoring.score_packed(params, sc.model, batch.tokens, batch.targets,
                                     batch.positions, batch.segment_ids, sc.temperature,
-                                    routes=None if sc.replay else batch.routes)
+                                    routes=None if sc.replay else batch.routes,
+                                    action_index=batch.action_index)
     other = jax.lax.stop_gradient(other)
     other_abs = jnp.where(mask, jnp.abs(other - batch.behavior_logp), 0.0)
     other_kl = jnp.where(mask, obj.bernoulli_kl(batch.behavior_logp, other), 0.0)

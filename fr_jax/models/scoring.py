@@ -1,6 +1,10 @@
 """What the learner needs from the model: log-probs of targets and the entropy of
 softmax(logits / temperature), from a packed forward (`score_packed`) or from hidden states
 (`score_hidden`, chunked so the [tokens, vocab] logits never exist whole).
+
+`score_packed` with `action_index` [R, K] runs the LM head on those K positions of each row
+only (the positions whose log-probs the objective reads: `fr_jax.packing`); the others get 0.
+At the named positions the values, and so every gradient through them, are the full head's.
 """
 
 from __future__ import annotations
@@ -58,10 +62,20 @@ def score_hidden(params: Params, cfg: ModelConfig, hidden, targets, temperature=
 
 def score_packed(params: Params, cfg: ModelConfig, tokens, targets, positions, segment_ids,
                  temperature=1.0, *, remat=False, chunk_size: int | str | None = "auto",
-                 routes=None, routing_out: bool = False):
+                 routes=None, routing_out: bool = False, action_index=None):
   """Learner scoring on a packed batch: (logp, entropy), each float32 [R, L]; with
-  `routing_out`, (logp, entropy, Routing). `routes`: replayed experts (see `decoder.forward`)."""
+  `routing_out`, (logp, entropy, Routing). `routes`: replayed experts (see `decoder.forward`).
+  `action_index` int [R, K], distinct positions per row: only those are scored (0 elsewhere)."""
   h, _, routing = forward(params, cfg, tokens, positions, segment_ids, remat=remat,
                           routes=routes, routing_out=True)
-  logp, ent = score_hidden(params, cfg, h, jnp.asarray(targets), temperature, chunk_size)
+  targets = jnp.asarray(targets)
+  if action_index is None:
+    logp, ent = score_hidden(params, cfg, h, targets, temperature, chunk_size)
+  else:
+    idx = jnp.asarray(action_index)
+    picked = score_hidden(params, cfg, jnp.take_along_axis(h, idx[..., None], axis=1),
+                          jnp.take_along_axis(targets, idx, axis=1), temperature, chunk_size)
+    rows = jnp.arange(idx.shape[0])[:, None]
+    logp, ent = (jnp.zeros(targets.shape, F32).at[rows, idx].set(x, unique_indices=True)
+                 for x in picked)
   return (logp, ent, routing) if routing_out else (logp, ent)

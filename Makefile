@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 TEST_JOBS ?= 2   # pytest-xdist processes (test files are kept whole per process)
 
 .PHONY: demo demo-agent test test-all lint bench bench-peers smoke chaos chaos-fleet sandbox-check replication proto venv clean-venv help \
-        device-check device-wheels device-fixtures tpu-tools check-sglang-api
+        device-check device-wheels device-fixtures tpu-tools gpu-tools check-sglang-api
 
 DEMO_DIR ?= runs/demo
 AGENT_DIR ?= runs/agent
@@ -39,6 +39,8 @@ help:
 	@echo "make device-wheels device-fixtures  here, before: what device-check brings along"
 	@echo "make tpu-tools add libtpu to .venv (requirements-tpu.txt): python -m launch.compile_check"
 	@echo "               AOT-compiles a recipe for a TPU topology here (docs/scale.md)"
+	@echo "make gpu-tools .venv-gpu: .venv plus the CUDA plugin (requirements-gpu.txt, 5.5 GB), so"
+	@echo "               .venv-gpu/bin/python -m launch.compile_check compiles for GPU nodes here"
 	@echo "make venv      only create/refresh .venv"
 
 venv: $(STAMP)
@@ -101,6 +103,18 @@ check-sglang-api: $(STAMP)
 proto: $(STAMP)
 	$(VPY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. \
 	  fr_jax/transport/fr_jax.proto
+
+# Optional: the CUDA plugin and NVIDIA libraries (5.5 GB), in .venv-gpu, which sees .venv's
+# packages, so that `.venv-gpu/bin/python -m launch.compile_check --topology=h100-8` compiles
+# for GPU nodes here (no GPU or driver needed), and its test in make test runs instead of
+# skipping. Pass WHEELS=dir to install from downloaded wheels.
+GPU_VENV ?= .venv-gpu
+gpu-tools: $(STAMP)
+	@test -x $(GPU_VENV)/bin/python || $(VPY) -m venv --without-pip $(GPU_VENV)
+	site=$$($(GPU_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") && \
+	$(VPY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > $$site/fr_jax_base.pth && \
+	$(VPY) -m pip install --quiet --no-deps --upgrade --target $$site \
+	  $(if $(WHEELS),--no-index --find-links $(WHEELS)) -r requirements-gpu.txt
 
 # Optional: libtpu, so that `python -m launch.compile_check` compiles for TPU topologies on
 # this machine (no TPU needed), and its test in make test runs instead of skipping.

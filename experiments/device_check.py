@@ -26,6 +26,11 @@ Sections, each a few JSON lines, then `summary` (exit status 1 if any check fail
              shapes on the fixed 8 x 256 case, and R1-Distill-Qwen-1.5B shapes on one row of
              16,384 tokens. Median time, tokens/s, and MFU against the measured bf16 peak (and
              the datasheet peak where the device is known); compiled and peak device memory.
+  fit:       the fit check against the device: the update `launch.compile_check` compiles for
+             qwen25_7b_tool (--fit_layers layers, one row of 8,192 tokens, one device; in a dry
+             run tiny_test's), compiled here and, on a GPU, also deviceless for --fit_kind as
+             compile_check compiles it; then run once on zero weights, and the device's
+             measured peak memory against each `memory_analysis()` peak, as ratios.
   engine:    EmbeddedEngine.generate with SmolLM2-135M shapes (bf16), batch 8 and 32, 128 new
              tokens each: tokens/s.
 Weights are random (`random:NAME` in fr_jax.models.registry): speed and memory do not depend
@@ -47,7 +52,9 @@ from absl import app, flags
 from experiments.benchmarks.common import timed
 
 flags.DEFINE_bool("dry", False, "every section at toy sizes (for the CPU, in make test)")
-flags.DEFINE_list("sections", ["env", "peer", "attention", "learner", "engine"], "which to run")
+flags.DEFINE_list("sections", ["env", "fit", "peer", "attention", "learner", "engine"],
+                  "which to run (fit runs first after env: the device's peak memory is the "
+                  "process's own)")
 flags.DEFINE_string("wheels", "build/device_wheels", "wheels to unpack before importing fr_jax "
                     "(skipped when the folder is absent)")
 flags.DEFINE_string("site", "build/device_site", "where --wheels are unpacked")
@@ -57,6 +64,9 @@ flags.DEFINE_string("peer_fixtures", "build/device_fixtures", "transformers' sid
 flags.DEFINE_string("write_peer_fixtures", None, "only write the peer fixtures to this folder "
                     "(needs torch and transformers) and exit")
 flags.DEFINE_integer("attn_row_len", 16384, "row length of the attention timing")
+flags.DEFINE_integer("fit_layers", 4, "layers of the fit section's qwen25_7b_tool")
+flags.DEFINE_string("fit_kind", "h200", "the GPU kind (launch.compile_check.GPU_KINDS) the fit "
+                    "section also compiles for deviceless")
 flags.DEFINE_integer("timed_repeats", 3, "timed repeats after a warm-up (median reported)")
 F = flags.FLAGS
 
@@ -308,6 +318,87 @@ def section_learner(ctx):
   return ok
 
 
+def _peak_bytes(m) -> int:
+  """compile_check's peak: arguments + outputs + temporaries - aliased + generated code."""
+  return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+          - m.alias_size_in_bytes + m.generated_code_size_in_bytes)
+
+
+def section_fit(ctx):
+  import importlib
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from fr_jax import objective as obj
+  from fr_jax.learner import compile as compiling
+  from fr_jax.learner import mesh as meshlib
+  from fr_jax.learner import optim, step
+  from fr_jax.models import decoder
+  from fr_jax.packing import PackingSpec, pack
+  from fr_jax.trajectory import Trajectory
+  from launch import compile_check as cc
+  recipe = "tiny_test" if F.dry else "qwen25_7b_tool"
+  c = importlib.import_module(f"experiments.configs.{recipe}").get_config()
+  c.mesh.data = c.mesh.fsdp = 1
+  c.packing.row_buckets = (1,)
+  if c.model.attention == "auto" and jax.default_backend() == "gpu":
+    c.model.attention = "pallas_gpu"  # what compile_check compiles for a GPU
+  shapes = cc.model_shapes(c)
+  if not F.dry:
+    shapes = shapes.replace(num_layers=F.fit_layers)
+  dev = jax.devices()[0]
+  t0 = time.perf_counter()
+  exe, mesh, _ = compiling.compile_update_from_shapes(c, shapes, 1, devices=[dev])
+  row = dict(recipe=recipe, layers=shapes.num_layers, params_b=round(shapes.num_params / 1e9, 3),
+             row_len=c.packing.row_len, attention=c.model.attention,
+             predicted_peak_gib=round(_peak_bytes(exe.memory_analysis()) / 2**30, 3),
+             compile_s=round(time.perf_counter() - t0, 1))
+  if jax.default_backend() == "gpu":  # compile_check's own path: no device involved
+    try:
+      t = cc.target(f"{F.fit_kind}-1")
+      deviceless, _, _ = compiling.compile_update_from_shapes(c, shapes, 1, devices=t.devices)
+      row["deviceless_kind"] = F.fit_kind
+      row["deviceless_peak_gib"] = round(_peak_bytes(deviceless.memory_analysis()) / 2**30, 3)
+    except Exception as e:  # reported, the measurement still runs
+      row["deviceless_error"] = f"{type(e).__name__}: {e}"[:300]
+  # Run it: zero weights and Adam state, one full row of random tokens, placed as compiled.
+  mc = compiling.learner_model_config(c, shapes)
+  optimizer = optim.make_optimizer(c.optim)
+  dtype = jnp.dtype(c.model.param_dtype)
+  state_sh = exe.input_shardings[0][0]
+  state = jax.jit(lambda: step.init_state(jax.tree.map(
+      lambda a: jnp.zeros(a.shape, dtype), jax.eval_shape(
+          lambda: decoder.init_params(mc, jax.random.key(0)))), optimizer),
+      out_shardings=state_sh)()
+  rng = np.random.default_rng(0)
+  L, P = c.packing.row_len, 64
+  traj = Trajectory("fit", rng.integers(0, shapes.vocab_size, P),
+                    rng.integers(0, shapes.vocab_size, L + 1 - P), np.ones(L + 1 - P, bool),
+                    np.full(L + 1 - P, -1.0, np.float32), 1.0, 0)
+  (b,) = pack([traj], PackingSpec(L, (1,), c.packing.max_segments_per_row)).batches
+  batch = meshlib.put(b, meshlib.batch_sharding(b, mesh))
+  stats = obj.BatchStats(*[jnp.float32(x) for x in (1, 1, L + 1 - P)])
+  before = (dev.memory_stats() or {}).get("peak_bytes_in_use") if hasattr(
+      dev, "memory_stats") else None
+  state, metrics, _ = exe(state, None, batch, stats)
+  loss = float(metrics["loss"])
+  stats_after = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+  if stats_after:
+    peak = stats_after.get("peak_bytes_in_use", 0)
+    row.update(measured_peak_gib=round(peak / 2**30, 3), peak_before_run_gib=round(
+        (before or 0) / 2**30, 3), ratio_measured_to_predicted=round(
+        peak / 2**30 / row["predicted_peak_gib"], 3))
+    if "deviceless_peak_gib" in row:
+      row["ratio_measured_to_deviceless"] = round(peak / 2**30 / row["deviceless_peak_gib"], 3)
+  row.update(loss=loss, finite=bool(np.isfinite(loss)))
+  emit("fit", **row)
+  state = batch = None
+  jax.clear_caches()
+  return row["finite"]
+
+
 def section_engine(ctx):
   import numpy as np
 
@@ -334,8 +425,9 @@ def section_engine(ctx):
   return ok
 
 
-SECTIONS = {"env": section_env, "peer": section_peer, "attention": section_attention,
-            "learner": section_learner, "engine": section_engine}
+SECTIONS = {"env": section_env, "fit": section_fit, "peer": section_peer,
+            "attention": section_attention, "learner": section_learner,
+            "engine": section_engine}
 
 
 def main(argv):

@@ -1,5 +1,6 @@
-"""launch.compile_check: a recipe's update AOT-compiled for a TPU topology from this CPU
-machine (libtpu, no TPU), and the registry shapes the paper's recipes compile from."""
+"""launch.compile_check: a recipe's update AOT-compiled for a TPU topology (libtpu, no TPU) and
+for GPU nodes (the CUDA plugin, no GPU or driver) from this CPU machine, and the registry
+shapes the paper's recipes compile from."""
 
 import importlib.util
 import json
@@ -16,6 +17,18 @@ from launch import compile_check as cc
 REPO = Path(__file__).resolve().parents[1]
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                   reason="libtpu is not installed (optional: make tpu-tools)")
+
+
+def gpu_python() -> str | None:
+  """An interpreter with the CUDA plugin: this one, or .venv-gpu's (`make gpu-tools`)."""
+  if cc.cuda_plugin_installed():
+    return sys.executable
+  p = REPO / ".venv-gpu" / "bin" / "python"
+  return str(p) if p.exists() else None
+
+
+needs_cuda_plugin = pytest.mark.skipif(
+    gpu_python() is None, reason="the CUDA plugin is not installed (optional: make gpu-tools)")
 
 
 @pytest.mark.parametrize("name,cls", [("qwen2.5-math-1.5b", "Qwen2ForCausalLM"),
@@ -94,10 +107,61 @@ def test_tiny_update_compiles_for_tpu_and_an_oversized_one_does_not_fit():
   assert oom["peak_gib"] > oom["limit_gib"] and 15 < oom["limit_gib"] <= 16
 
 
+_GPU_SCRIPT = """
+import json
+from experiments.configs import tiny_test
+from launch import compile_check as cc
+c = tiny_test.get_config()
+print(json.dumps(cc.check(c, "h100-8", rows_per_device=2)))
+print(json.dumps(cc.check(c, "a100-80g-2x8", rows_per_device=4096)))
+"""
+
+
+def tiny_state_and_batch_bytes(rows: int) -> tuple[int, int]:
+  """tiny-chat's f32 parameters and both Adam moments, and `rows` packed rows of 512 tokens
+  (six [R, L] fields of 4 bytes a token at most) plus the replicated per-segment fields."""
+  import jax
+
+  from fr_jax.models import registry
+  from fr_jax.models.decoder import init_params
+  n_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(jax.eval_shape(
+      lambda: init_params(registry.TINY_CONFIGS["tiny-chat"], jax.random.key(0)))))
+  return 3 * 4 * n_params, rows * 512 * 6 * 4 + 4 * 256 * 4
+
+
+@needs_cuda_plugin
+def test_tiny_update_compiles_for_gpu_nodes_and_an_oversized_one_does_not_fit():
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", PYTHONPATH=str(REPO))
+  env.pop("XLA_PYTHON_CLIENT_MEM_FRACTION", None)
+  r = subprocess.run([gpu_python(), "-c", _GPU_SCRIPT], cwd=REPO, env=env,
+                     capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  fits, oom = [json.loads(line) for line in r.stdout.strip().splitlines()[-2:]]
+  # One H100 node: 8 devices of the kind's reported memory; the tiny recipe's 1x1 mesh
+  # becomes data=8, 2 rows each; the attention is the Pallas GPU kernel.
+  assert (fits["devices"], fits["hosts"], fits["mesh"]) == (8, 1, [8, 1])
+  assert (fits["device_kind"], fits["attention"]) == ("NVIDIA H100 80GB HBM3", "pallas_gpu")
+  assert fits["hbm_gib_per_device"] == round(84942979072 / 2**30, 3)
+  # The limit is what JAX's GPU client takes by default: 75% of the device's memory.
+  assert fits["limit_gib"] == round(0.75 * 84942979072 / 2**30, 3)
+  assert fits["fits"] and fits["tokens_per_micro_batch"] == 8 * 2 * 512
+  # Arguments per device: the replicated state and this device's rows, exactly (GPU memory
+  # does not pad small arrays into tiles as TPU memory does), give or take alignment.
+  state, batch = tiny_state_and_batch_bytes(2)
+  rows_exactly = 2 * 512 * (5 * 4 + 1)  # four int32 and one f32 [R, L] field, one bool
+  assert state + rows_exactly <= fits["memory_bytes"]["argument"] <= 1.05 * (state + batch)
+  assert 0 < fits["temp_gib"] and fits["peak_gib"] < fits["limit_gib"]
+  # Two A100 nodes: 16 devices over 2 hosts; 4,096 rows of 512 tokens per device is far over
+  # the 0.75 x 79.3 GiB a device gives.
+  assert (oom["devices"], oom["hosts"], oom["device_kind"]) == (16, 2, "NVIDIA A100-SXM4-80GB")
+  assert oom["fits"] is False and oom["peak_gib"] > oom["limit_gib"] > 59
+
+
 def test_cli_refuses_an_unknown_topology_in_one_line():
   r = subprocess.run([sys.executable, "-m", "launch.compile_check",
                       "--config=experiments/configs/tiny_test.py", "--topology=v9z-8"],
                      cwd=REPO, capture_output=True, text=True, timeout=120)
   assert r.returncode == 2
   assert r.stderr.strip().splitlines() == [
-      "error: --topology=v9z-8: choose one of " + ", ".join(cc.TOPOLOGIES)]
+      f"error: --topology=v9z-8: choose one of {', '.join(cc.TOPOLOGIES)}, or KIND-GPUS or "
+      f"KIND-NODESxGPUS with KIND one of {', '.join(cc.GPU_KINDS)}"]

@@ -35,7 +35,7 @@ def test_dry_run_passes_every_section(tmp_path):
     kinds.setdefault(ln["kind"], []).append(ln)
   assert kinds["summary"][0]["ok"] and kinds["summary"][0]["dry"]
   assert kinds["summary"][0]["results"] == dict.fromkeys(
-      ["env", "peer", "attention", "learner", "engine"], True)
+      ["env", "fit", "peer", "attention", "learner", "engine"], True)
   # transformers' logits were written as fixtures, then fr_jax's compared against them
   assert sorted(p["model"] for p in kinds["peer"]) == ["tiny-llama", "tiny-qwen2", "tiny-qwen3"]
   assert all(p["ok"] and p["max_abs_err"] <= 1e-4 for p in kinds["peer"])
@@ -49,6 +49,10 @@ def test_dry_run_passes_every_section(tmp_path):
   assert learner["fixed_8x256"]["tokens"] == 8 * 255 and learner["one_row_512"]["tokens"] == 511
   assert all(x["tokens_per_s"] > 0 and x["compiles"] == 1 for x in learner.values())
   assert [e["generated"] for e in kinds["engine"]] == [2 * 8]
+  # The fit section compiled compile_check's program for this device and ran it (the CPU
+  # has no memory_stats: the ratio is the GPU's).
+  (fit,) = kinds["fit"]
+  assert fit["recipe"] == "tiny_test" and fit["finite"] and fit["predicted_peak_gib"] > 0
 
 
 def test_the_device_wheels_are_pinned_as_the_runtime_is():

@@ -1,0 +1,74 @@
+r"""The smallest number of 8-GPU nodes of each kind that fits each paper recipe, found
+with `launch.compile_check`, and the memory per device of the action-only LM head there.
+
+  .venv-gpu/bin/python -m experiments.benchmarks.fit_table \
+      | tee -a experiments/benchmarks/results/compile_check.jsonl
+
+For every recipe and kind it tries node counts `--nodes` (KIND-NODESx8) in order, each first
+with the recipe's own micro-batch and then with one row per device, and stops at the first
+that fits with the full head (every position scored: a verdict that holds for any batch).
+There (for `--head_kinds`) it compiles again with the head over `--action_fractions`'
+buckets. Every compile prints one JSON line: compile_check's, plus the recipe, the command
+that reproduces it, and `kind` "fit" for the attempts of the search, "head" for the head rows.
+`docs/scale.md` has the table. Each compile runs in its own process (`--python`, default this
+one), as a user would run it.
+"""
+
+import json
+import subprocess
+import sys
+import time
+
+from absl import app, flags
+
+from experiments.benchmarks.common import emitter
+
+flags.DEFINE_list("recipes", ["qwen25_math_1p5b", "r1_distill_1p5b_longcot",
+                              "qwen25_7b_tool", "qwen3_30b_a3b_tool"], "experiments.configs")
+flags.DEFINE_list("kinds", ["h100", "h200", "a100-80g", "b200"],
+                  "GPU kinds (launch.compile_check.GPU_KINDS)")
+flags.DEFINE_list("nodes", ["1", "2", "4"], "node counts to try, in order")
+flags.DEFINE_integer("gpus_per_node", 8, "GPUs per node")
+flags.DEFINE_list("action_fractions", ["0.25"], "head rows at the fitting size")
+flags.DEFINE_list("head_kinds", None, "the kinds that get head rows (default: the first)")
+flags.DEFINE_string("python", sys.executable, "the interpreter that runs compile_check")
+F = flags.FLAGS
+
+
+def compile_check(recipe: str, topology: str, extra: list[str]) -> dict:
+  args = [f"--config=experiments/configs/{recipe}.py", f"--topology={topology}", *extra]
+  command = " ".join(["python -m launch.compile_check", *args])
+  t0 = time.perf_counter()
+  r = subprocess.run([F.python, "-m", "launch.compile_check", *args], capture_output=True,
+                     text=True)
+  if r.returncode:
+    return {"recipe": recipe, "command": command, "error": r.stderr.strip()[-600:],
+            "wall_s": round(time.perf_counter() - t0, 1)}
+  out = json.loads(r.stdout.strip().splitlines()[-1])
+  return {"recipe": recipe, "command": command, **out}
+
+
+def main(argv):
+  del argv
+  emit = emitter("compile_check")
+  for recipe in F.recipes:
+    for kind in F.kinds:
+      fitted = None
+      for nodes in F.nodes:
+        for rows in (["--rows_per_device=0"], ["--rows_per_device=1"]):
+          topology = f"{kind}-{nodes}x{F.gpus_per_node}"
+          row = compile_check(recipe, topology, rows)
+          emit("fit", **row)
+          if row.get("fits"):
+            fitted = (topology, rows)
+            break
+        if fitted:
+          break
+      if not fitted or kind not in (F.head_kinds or F.kinds[:1]):
+        continue
+      for f in F.action_fractions:
+        emit("head", **compile_check(recipe, fitted[0], [*fitted[1], f"--action_fraction={f}"]))
+
+
+if __name__ == "__main__":
+  app.run(main)

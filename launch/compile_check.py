@@ -239,7 +239,7 @@ _OOM = (re.compile(r"\(([\d.]+)([KMGT])\)\s+exceeds available HBM\s+\(([\d.]+)([
 def check(c, topology: str, rows_per_device: int = 0, mfu: float = 0.4,
           action_fraction: float = 1.0) -> dict:
   """Compiles config `c`'s update for `topology`; returns the figures (see module doc)."""
-  from fr_jax.learner.compile import compile_update_from_shapes
+  from fr_jax.learner.compile import compile_update_from_shapes, head_width
   t = target(topology)
   devices = t.devices
   n = len(devices)
@@ -268,6 +268,7 @@ def check(c, topology: str, rows_per_device: int = 0, mfu: float = 0.4,
              remat=bool(c.model.remat), compute_dtype=c.model.compute_dtype,
              param_dtype=c.model.param_dtype, hbm_gib_per_device=round(t.memory_gib, 3),
              limit_gib=round(t.limit_gib, 3), action_fraction=action_fraction,
+             head_positions_per_row=head_width(c, action_fraction),
              flops_per_micro_batch=flops, max_tokens_per_step=step_tokens,
              flops_per_max_step=step_flops,
              tokens_per_s_at_mfu=round(mfu * peak_flops * tokens / flops),
@@ -276,8 +277,8 @@ def check(c, topology: str, rows_per_device: int = 0, mfu: float = 0.4,
   gib = lambda b: round(b / 2**30, 3)  # noqa: E731
   t0 = time.perf_counter()
   try:
-    exe, _, head = compile_update_from_shapes(c, model, rows, devices=devices,
-                                              action_fraction=action_fraction)
+    exe, _, _ = compile_update_from_shapes(c, model, rows, devices=devices,
+                                           action_fraction=action_fraction)
   except Exception as e:  # XLA raises a bare runtime error
     msg = str(e)
     if "RESOURCE_EXHAUSTED" not in msg:
@@ -297,7 +298,7 @@ def check(c, topology: str, rows_per_device: int = 0, mfu: float = 0.4,
                alias=m.alias_size_in_bytes, temp=m.temp_size_in_bytes,
                generated_code=m.generated_code_size_in_bytes,
                peak=peak + m.generated_code_size_in_bytes)
-  out.update(fits=sizes["peak"] <= t.limit_gib * 2**30, head_positions_per_row=head,
+  out.update(fits=sizes["peak"] <= t.limit_gib * 2**30,
              compile_s=round(time.perf_counter() - t0, 1),
              **{f"{k}_gib": gib(v) for k, v in sizes.items()}, memory_bytes=sizes)
   return out

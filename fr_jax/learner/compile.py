@@ -79,6 +79,13 @@ def jit_update(sc, optimizer, lr_schedule, state_shardings, mesh):
       out_shardings=(state_shardings, meshlib.replicated(mesh), meshlib.replicated(mesh)))
 
 
+def head_width(config: ml_collections.ConfigDict, action_fraction: float) -> int:
+  """Positions per row the LM head scores in rows whose `action_fraction` of positions are
+  actions (the config's head buckets; the whole row when none holds them)."""
+  spec = lcfg.packing_spec(config)
+  return spec.head_width(math.ceil(action_fraction * spec.row_len)) or spec.row_len
+
+
 def compile_update_from_shapes(config: ml_collections.ConfigDict, model_config, rows: int,
                                devices=None, action_fraction: float = 1.0):
   """The learner's update step compiled for a micro-batch of `rows` packed rows of
@@ -109,8 +116,9 @@ def compile_update_from_shapes(config: ml_collections.ConfigDict, model_config, 
     tiny.routed_experts = np.zeros((1, *routing), model_config.routing_dtype)
   spec = lcfg.packing_spec(c)
   (b,) = pack([tiny], dataclasses.replace(spec, row_buckets=(rows,)), routing).batches
-  width = spec.head_width(math.ceil(action_fraction * spec.row_len))
-  b = b._replace(action_index=None if width is None else np.zeros((rows, width), np.int32))
+  width = head_width(c, action_fraction)
+  b = b._replace(action_index=None if width == spec.row_len else np.zeros((rows, width),
+                                                                          np.int32))
   batch = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), b,
                        meshlib.batch_sharding(b, mesh))
   rep = meshlib.replicated(mesh)

@@ -69,6 +69,7 @@ TOPOLOGIES = {
     "v5e-8": Topology("v5e:2x4", "default", (2, 4, 1), 16, 197),
     "v5e-16": Topology("v5e:4x4", "default", (2, 2, 1), 16, 197),
     "v5e-32": Topology("v5e:4x8", "default", (2, 2, 1), 16, 197),
+    "v5e-64": Topology("v5e:8x8", "default", (2, 2, 1), 16, 197),
     "v6e-8": Topology("v6e:2x4", "default", (2, 4, 1), 32, 918),
     "v6e-16": Topology("v6e:4x4", "default", (2, 2, 1), 32, 918),
     "v6e-32": Topology("v6e:4x8", "default", (2, 2, 1), 32, 918),

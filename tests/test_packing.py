@@ -142,9 +142,29 @@ def test_a_row_holds_max_trajectory_length_and_validation_refuses_longer():
     validate(t, max_length=short.max_trajectory_length)
 
 
+def test_head_buckets_and_the_action_index_by_hand():
+  spec = PackingSpec(row_len=100, head_buckets=(0.125, 0.5))
+  # widths ceil(12.5) = 13 and 50; a row with more action positions scores all 100
+  assert [spec.head_width(n) for n in (0, 13, 14, 50, 51)] == [13, 13, 50, 50, None]
+  assert PackingSpec(row_len=100).head_width(1) is None  # no buckets: the full head
+  # One trajectory: prompt of 3, completion of 5 whose 2nd and 4th tokens are tool output.
+  # Target-frame positions 2..6 hold the completion; the actions are 2, 4 and 6.
+  t = Trajectory("p", np.arange(3, dtype=np.int32), np.arange(5, dtype=np.int32),
+                 np.array([1, 0, 1, 0, 1], bool), np.full(5, -1.0, np.float32), 1.0, 0)
+  (b,) = pack([t], PackingSpec(row_len=16, row_buckets=(1,), head_buckets=(0.25,))).batches
+  assert np.flatnonzero(b.action_mask[0]).tolist() == [2, 4, 6]
+  # width 4: the actions in order, then the row's first other position
+  assert b.action_index.tolist() == [[2, 4, 6, 0]] and b.head_width == 4
+  (b,) = pack([t], PackingSpec(row_len=16, row_buckets=(1,), head_buckets=(0.125,))).batches
+  assert b.action_index is None and b.head_width == 16  # 2 positions cannot hold 3 actions
+
+
 def test_bad_spec():
   with pytest.raises(PackingError, match="ascending"):
     PackingSpec(row_buckets=(4, 2))
+  for h in ((0.5, 0.25), (0.25, 1.0), (0.0,)):
+    with pytest.raises(PackingError, match="head_buckets"):
+      PackingSpec(head_buckets=h)
   with pytest.raises(PackingError, match="empty"):
     pack([], PackingSpec())
 

@@ -318,12 +318,6 @@ def section_learner(ctx):
   return ok
 
 
-def _peak_bytes(m) -> int:
-  """compile_check's peak: arguments + outputs + temporaries - aliased + generated code."""
-  return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-          - m.alias_size_in_bytes + m.generated_code_size_in_bytes)
-
-
 def section_fit(ctx):
   import importlib
 
@@ -335,7 +329,7 @@ def section_fit(ctx):
   from fr_jax.learner import compile as compiling
   from fr_jax.learner import mesh as meshlib
   from fr_jax.learner import optim, step
-  from fr_jax.models import decoder
+  from fr_jax.models import attention, decoder
   from fr_jax.packing import PackingSpec, pack
   from fr_jax.trajectory import Trajectory
   from launch import compile_check as cc
@@ -343,8 +337,9 @@ def section_fit(ctx):
   c = importlib.import_module(f"experiments.configs.{recipe}").get_config()
   c.mesh.data = c.mesh.fsdp = 1
   c.packing.row_buckets = (1,)
-  if c.model.attention == "auto" and jax.default_backend() == "gpu":
-    c.model.attention = "pallas_gpu"  # what compile_check compiles for a GPU
+  # what the model's "auto" takes here, as compile_check resolves it for a target
+  c.model.attention = attention.resolve(c.model.attention, c.packing.row_len,
+                                        backend=jax.default_backend())
   shapes = cc.model_shapes(c)
   if not F.dry:
     shapes = shapes.replace(num_layers=F.fit_layers)
@@ -353,14 +348,14 @@ def section_fit(ctx):
   exe, mesh, _ = compiling.compile_update_from_shapes(c, shapes, 1, devices=[dev])
   row = dict(recipe=recipe, layers=shapes.num_layers, params_b=round(shapes.num_params / 1e9, 3),
              row_len=c.packing.row_len, attention=c.model.attention,
-             predicted_peak_gib=round(_peak_bytes(exe.memory_analysis()) / 2**30, 3),
+             predicted_peak_gib=round(cc.peak_bytes(exe.memory_analysis()) / 2**30, 3),
              compile_s=round(time.perf_counter() - t0, 1))
   if jax.default_backend() == "gpu":  # compile_check's own path: no device involved
     try:
       t = cc.target(f"{F.fit_kind}-1")
       deviceless, _, _ = compiling.compile_update_from_shapes(c, shapes, 1, devices=t.devices)
       row["deviceless_kind"] = F.fit_kind
-      row["deviceless_peak_gib"] = round(_peak_bytes(deviceless.memory_analysis()) / 2**30, 3)
+      row["deviceless_peak_gib"] = round(cc.peak_bytes(deviceless.memory_analysis()) / 2**30, 3)
     except Exception as e:  # reported, the measurement still runs
       row["deviceless_error"] = f"{type(e).__name__}: {e}"[:300]
   # Run it: zero weights and Adam state, one full row of random tokens, placed as compiled.

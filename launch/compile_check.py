@@ -237,10 +237,18 @@ _OOM = (re.compile(r"\(([\d.]+)([KMGT])\)\s+exceeds available HBM\s+\(([\d.]+)([
         re.compile(r"[Uu]sed\s+([\d.]+)([KMGT])\s+of\s+([\d.]+)([KMGT])"))
 
 
+def peak_bytes(m) -> int:
+  """A compiled program's peak per device from its `memory_analysis()`: arguments + outputs +
+  temporaries - aliased (the donated state) + generated code."""
+  return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+          - m.alias_size_in_bytes + m.generated_code_size_in_bytes)
+
+
 def check(c, topology: str, rows_per_device: int = 0, mfu: float = 0.4,
           action_fraction: float = 1.0) -> dict:
   """Compiles config `c`'s update for `topology`; returns the figures (see module doc)."""
   from fr_jax.learner.compile import compile_update_from_shapes, head_width
+  from fr_jax.models import attention
   t = target(topology)
   devices = t.devices
   n = len(devices)
@@ -250,8 +258,9 @@ def check(c, topology: str, rows_per_device: int = 0, mfu: float = 0.4,
     rows_per_device = max(1, -(-max(c.packing.row_buckets) // (c.mesh.data * c.mesh.fsdp)))
   c = c.copy_and_resolve_references()
   c.mesh.data, c.mesh.fsdp = fit_mesh(c.mesh.data, c.mesh.fsdp, n)
-  if c.model.attention == "auto":  # what auto takes on the platform
-    c.model.attention = "splash_tpu" if t.platform == "tpu" else "pallas_gpu"
+  # what the model's "auto" takes on the target's platform (not this CPU's)
+  c.model.attention = attention.resolve(c.model.attention, c.packing.row_len,
+                                        backend=t.platform)
   rows = rows_per_device * n
   c.packing.row_buckets = (rows,)
   L = c.packing.row_len
@@ -293,12 +302,9 @@ def check(c, topology: str, rows_per_device: int = 0, mfu: float = 0.4,
                  limit_gib=round(float(m.group(3)) * unit[m.group(4)], 3))
     return out
   m = exe.memory_analysis()
-  peak = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-          - m.alias_size_in_bytes)
   sizes = dict(argument=m.argument_size_in_bytes, output=m.output_size_in_bytes,
                alias=m.alias_size_in_bytes, temp=m.temp_size_in_bytes,
-               generated_code=m.generated_code_size_in_bytes,
-               peak=peak + m.generated_code_size_in_bytes)
+               generated_code=m.generated_code_size_in_bytes, peak=peak_bytes(m))
   out.update(fits=sizes["peak"] <= t.limit_gib * 2**30,
              compile_s=round(time.perf_counter() - t0, 1),
              **{f"{k}_gib": gib(v) for k, v in sizes.items()}, memory_bytes=sizes)

@@ -105,6 +105,12 @@ def default_config() -> ml_collections.ConfigDict:
       producer_ttl_versions=100,  # forget a producer owing nothing after this many updates
       worker_timeout_s=300.0,  # forget a worker's stats after this long without a heartbeat
       max_streams=1024,  # concurrent trajectory streams; more are refused and retry later
+      # Weight relays (launch.learner): every learner process serves its own pieces of each
+      # version in the servers' dtype; relays fetch from `fanout` hosts' worth at most and
+      # feed each other (fr_jax/transport/shards.py, docs/scale.md).
+      shards=True,
+      wire_dtype="bfloat16",  # what the SGLang servers load
+      fanout=2,  # relays fetching from the hosts, and from each relay, per version
   ))
   return c
 
@@ -138,6 +144,9 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
      or not c.service.worker_timeout_s > 0:
     raise ConfigError("service.max_producers, service.max_streams and "
                       "service.producer_ttl_versions must be >= 1, service.worker_timeout_s > 0")
+  if c.service.wire_dtype not in ("bfloat16", "float16", "float32") or c.service.fanout < 1:
+    raise ConfigError(f"service.wire_dtype={c.service.wire_dtype!r} must be bfloat16, float16 "
+                      f"or float32, and service.fanout={c.service.fanout} >= 1")
   if c.agent.max_total_tokens > c.packing.row_len:
     raise ConfigError(f"agent.max_total_tokens={c.agent.max_total_tokens} exceeds "
                       f"packing.row_len={c.packing.row_len}: trajectories would not fit a row")

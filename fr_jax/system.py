@@ -28,13 +28,16 @@ log = logging.getLogger("fr_jax.system")
 
 
 def build_service(c: ml_collections.ConfigDict, model=None, *, resume: bool = True,
-                  admission_log: bool = False):
+                  admission_log: bool = False, shards=None):
   """(learner, service), restored from the latest committed checkpoint in run_dir if there
   is one. With `admission_log` (separate worker processes), admitted records are logged to
   run_dir/admission.log before they are acknowledged, and those the restored checkpoint still
-  owes are queued again. Dead letters go to run_dir/dead_letter.jsonl."""
+  owes are queued again. Dead letters go to run_dir/dead_letter.jsonl. `shards` (a
+  `transport.shards.ShardHost`) receives this process's pieces of every published version
+  and answers weight relays (`service.shards`)."""
   c = lcfg.ensure_valid(c, rcfg.validate)
   learner = Learner(c, model=model)
+  learner.shard_sink = shards
   s = c.service
   controller = (InflightController(c.rollout.inflight, target_rejection=s.target_rejection,
                                    max_lag=s.lag_bound) if s.adaptive_inflight else None)
@@ -49,6 +52,7 @@ def build_service(c: ml_collections.ConfigDict, model=None, *, resume: bool = Tr
       max_producers=s.max_producers, producer_ttl_versions=s.producer_ttl_versions,
       worker_timeout_s=s.worker_timeout_s, keep_versions=max(1, c.rollout.fixed_lag + 1),
       encode=codec.encode_record, decode=codec.decode_record)
+  service.shards = shards
   if resume and service.restore() is not None:
     log.info("resumed at version %d (%d trajectories already used)", service.version,
              service.used)

@@ -21,7 +21,9 @@ Ctrl-C saves a checkpoint and stops cleanly.
 With several processes (`--distributed` or `--coordinator_address`), every process builds the
 learner on one global mesh; process 0 serves gRPC, admits records, writes metrics and drives
 the run, and the others make each learner call it announces (`fr_jax/learner/multihost.py`,
-docs/system.md). Workers and weight relays connect to process 0 only. Every process needs
+docs/system.md). Workers connect to process 0 only; weight relays ask process 0 for each
+version's manifest and fetch its pieces from every process, each serving its own shards
+(--shard_address, fr_jax/transport/shards.py). Every process needs
 the same secret, `$FR_JAX_TOKEN` (or `--auth_token`, or `$FR_JAX_LEARNER_SECRET`): process 0
 signs each call with it, because the coordinator's port takes writes from anyone. The run directory
 (checkpoints) must be one that every process can write: each writes its own shards.
@@ -55,6 +57,9 @@ flags.DEFINE_string("coordinator_bind_address", "", "where process 0's coordinat
 flags.DEFINE_integer("num_processes", 0, "jax.distributed: processes in the learner "
                      "(0: detected)")
 flags.DEFINE_integer("process_id", -1, "jax.distributed: this process's index (-1: detected)")
+flags.DEFINE_string("shard_address", "", "a learner process other than 0: where it serves its "
+                    "weight shards to relays (default: --address's host, a free port); the "
+                    "same credentials as --address")
 FLAGS = flags.FLAGS
 
 
@@ -83,9 +88,15 @@ def main(argv):
     common.fail(str(e))
   from fr_jax import system
   model = common.load_model(c)
-  learner, service = system.build_service(c, model, admission_log=True)
+  shards = shard_host(c)
+  learner, service = system.build_service(c, model, admission_log=True, shards=shards)
   server, port = srv.serve(service, address, token=token,
                            max_streams=c.service.max_streams, **tls)
+  if shards is not None and learner.group is not None:  # where the others serve theirs
+    shards.hosts = [""] + [learner.group.get_signed(f"shards/{i}").decode()
+                           for i in range(1, learner.group.num_processes)]
+    print(f"weight shards served by {learner.group.num_processes} processes: "
+          f"{shards.hosts[1:]} and this one", flush=True)
   if FLAGS.port_file:
     from fr_jax import durable
     durable.write_file(FLAGS.port_file, str(port))
@@ -105,13 +116,38 @@ def main(argv):
   common.print_json(summary)
 
 
+def shard_host(c):
+  """This process's weight shard host (None with service.shards=False)."""
+  if not c.service.shards:
+    return None
+  from fr_jax.transport.shards import ShardHost
+  return ShardHost(c.service.wire_dtype, root=c.service.fanout, fanout=c.service.fanout)
+
+
 def follow(c):
-  """A process other than 0: the same learner, making the calls process 0 announces."""
+  """A process other than 0: the same learner, making the calls process 0 announces, and
+  serving its own weight shards."""
+  import socket
+
   import jax
 
   from fr_jax.learner import multihost
   from fr_jax.learner.learner import Learner
+  from fr_jax.transport import server as srv
   learner = Learner(c, model=common.load_model(c))
+  shards = shard_host(c)
+  if shards is not None:
+    learner.shard_sink = shards
+    token = common.secret(FLAGS.auth_token, "FR_JAX_TOKEN")
+    bind = FLAGS.shard_address or f"{(FLAGS.address or c.service.address).rsplit(':', 1)[0]}:0"
+    try:
+      _, port = srv.serve_shards(shards, bind, token=token, tls_cert=FLAGS.tls_cert,
+                                 tls_key=FLAGS.tls_key, tls_client_ca=FLAGS.tls_client_ca)
+    except srv.BindError as e:
+      common.fail(str(e))
+    host = bind.rsplit(":", 1)[0].strip("[]")
+    host = socket.gethostname() if host in ("", "0.0.0.0", "::") else host
+    learner.group.put_signed(f"shards/{jax.process_index()}", f"{host}:{port}".encode())
   print(f"learner process {jax.process_index()} of {jax.process_count()} following "
         "process 0", flush=True)
   multihost.follow(learner)

@@ -4,12 +4,21 @@ shared filesystem (design: `fr_jax/transport/relay.py`, docs/rollout.md).
   python -m launch.weight_relay --config=experiments/configs/qwen25_math_1p5b.py \
       --learner=learner-host:50051 \
       --sglang=http://127.0.0.1:30000 --dir=/local/nvme/weights
+  # serving its versions to other relays (the learner names each relay's source)
+  python -m launch.weight_relay --config=... --learner=learner-host:50051 \
+      --sglang=http://127.0.0.1:30000 --dir=/dev/shm/weights --serve_address=0.0.0.0:50061
   # workers generate through sglang-router in front of every server
   python -m sglang_router.launch_router --worker-urls http://gpu1:30000 http://gpu2:30000 \
       --host 127.0.0.1 --port 30000
 
-It fetches each new version over gRPC (`GetWeights`, every tensor checked against its CRC-32,
-a damaged or cut stream fetched again), writes HF safetensors under --dir atomically
+From a learner that serves shards (launch.learner's default) it asks for each new version's
+manifest and writes the pieces straight into the version's safetensors file, from a peer
+relay the learner names and from every learner process in parallel, in the servers' dtype and
+as deltas against the version it holds (fr_jax/transport/shards.py). With --serve_address
+it serves what it holds to other relays, so the learner sends each version about twice
+whatever the fleet's size. From an older learner it fetches whole weights over gRPC
+(`GetWeights`, every tensor checked against its CRC-32, a damaged or cut stream fetched
+again). Either way it writes HF safetensors under --dir atomically
 (`vNNNNNNNN`, the last --keep kept), and calls the server's `/update_weights_from_disk` with
 the path and the version; then the version counts as delivered. One line per version on
 stdout (`relay: v12 fetched 270 MB in 3.1 s (87 MB/s), written in 0.9 s, loaded by
@@ -47,6 +56,16 @@ flags.DEFINE_bool("once", False, "deliver the learner's current version and exit
 flags.DEFINE_float("fetch_timeout_s", 3600.0, "give up one fetch after this long")
 flags.DEFINE_string("relay_id", "", "name in the learner's worker stats (default "
                     "relay@<--sglang>)")
+flags.DEFINE_string("serve_address", "", "serve the versions this relay holds to other relays "
+                    "here (host:port; port 0 picks one; empty: do not serve); beyond loopback "
+                    "it needs the fleet's token or --serve_tls_cert/--serve_tls_key")
+flags.DEFINE_string("advertise", "", "the address other relays reach --serve_address at "
+                    "(default: its host, or this machine's name for 0.0.0.0, and the bound "
+                    "port)")
+flags.DEFINE_string("serve_tls_cert", "", "PEM certificate for --serve_address (TLS fleets)")
+flags.DEFINE_string("serve_tls_key", "", "PEM key for --serve_address")
+flags.DEFINE_enum("fetch", "auto", ["auto", "shards", "whole"], "shards from every learner "
+                  "process (auto: if the learner serves them), or whole weights from process 0")
 FLAGS = flags.FLAGS
 
 
@@ -91,19 +110,36 @@ def main(argv):
                                             compute_dtype=c.model.compute_dtype)
   except (registry.ModelNotFound, registry.CheckpointError) as e:
     common.fail(f"model {c.model.name!r}: {e}")
+  client_token = common.secret(FLAGS.auth_token, "FR_JAX_TOKEN")
   client = WeightsClient(FLAGS.learner, worker_id=FLAGS.relay_id or f"relay@{FLAGS.sglang}",
-                         token=common.secret(FLAGS.auth_token, "FR_JAX_TOKEN"),
+                         token=client_token,
                          tls_ca=FLAGS.tls_ca, tls_cert=FLAGS.tls_cert,
                          tls_key=FLAGS.tls_key)
   key = common.secret(FLAGS.sglang_api_key, "SGLANG_API_KEY")
   server = SGLangEngine(FLAGS.sglang, api_key=key or None, max_concurrency=1)
+  use_shards = {"auto": None, "shards": True, "whole": False}[FLAGS.fetch]
   r = relay.Relay(client, server.update_weights, FLAGS.dir, cfg, tokenizer_files,
+                  use_shards=use_shards,
                   server=FLAGS.sglang, keep=FLAGS.keep, poll_s=FLAGS.poll_s,
                   load_errors=(SGLangError,), fetch_timeout_s=FLAGS.fetch_timeout_s,
                   # retried: no answer (a load of the same path and version is idempotent)
                   unreachable=lambda e: e.reason in (Reason.UNREACHABLE, Reason.TIMEOUT),
                   served=server.served_version,
                   say=lambda line: print(line, flush=True))
+  peers = None
+  if FLAGS.serve_address:
+    import socket
+
+    from fr_jax.transport import server as srv
+    try:
+      peers, port = srv.serve_shards(r, FLAGS.serve_address, token=client_token,
+                                     tls_cert=FLAGS.serve_tls_cert, tls_key=FLAGS.serve_tls_key)
+    except srv.BindError as e:
+      common.fail(str(e))
+    host = FLAGS.serve_address.rsplit(":", 1)[0].strip("[]")
+    host = socket.gethostname() if host in ("", "0.0.0.0", "::") else host
+    r.serve_address = FLAGS.advertise or f"{host}:{port}"
+    print(f"relay: serving its versions to peers at {r.serve_address}", flush=True)
   stop = threading.Event()
   for sig in (signal.SIGTERM, signal.SIGINT):
     signal.signal(sig, lambda *_: stop.set())
@@ -122,6 +158,8 @@ def main(argv):
   stop.wait()
   client.close()  # cancels a fetch in flight; a write or load in progress finishes
   t.join()
+  if peers is not None:
+    srv.stop(peers, grace=1.0)
   server.close()
   if isinstance(out.get("error"), relay.RelayError):
     common.fail(str(out["error"]))

@@ -8,11 +8,15 @@ Each process sees `local_devices` CPU devices; with `num_processes` > 1 they for
 learner service: it restores the latest checkpoint in DIR, then until version N offers the
 synthetic records of each version (records v*B .. v*B+B-1: what a version trains on does not
 depend on how the run was split), and the service updates, saves a checkpoint and publishes
-weights after each one. The other processes follow. Process 0 writes the published weights
-to DIR/params.npz.
+weights after each one. The other processes follow. Process 0 writes the final weights
+(gathered: `snapshot_params`) to DIR/params.npz. Every process also serves its own pieces of
+each published version in bfloat16 (`fr_jax.transport.shards`, as launch.learner does);
+process 0 fetches the last one from all of them like a weight relay, into
+DIR/shards.safetensors.
 """
 
 import argparse
+import json
 import os
 import sys
 
@@ -56,12 +60,20 @@ def run(workdir: str, until: int, fsdp: int = 4) -> dict:
   from fr_jax.learner import multihost, synthetic
   from fr_jax.learner.learner import Learner
   from fr_jax.learner.service import LearnerService
-  from fr_jax.transport import codec
+  from fr_jax.transport import codec, shards
+  from fr_jax.transport import server as srv
 
   learner = Learner(config(workdir, fsdp))
+  learner.shard_sink = host = shards.ShardHost("bfloat16")
+  shard_server, port = srv.serve_shards(host)
   if not learner.is_leader:
+    learner.group.put_signed(f"shards/{learner.group.process_id}", f"127.0.0.1:{port}".encode())
     multihost.follow(learner)
+    srv.stop(shard_server)
     return {}
+  addresses = [f"127.0.0.1:{port}"] + (
+      [learner.group.get_signed(f"shards/{i}").decode()
+       for i in range(1, learner.group.num_processes)] if learner.group else [])
   service = LearnerService(learner, queue_capacity=4 * B, publish_every=1,
                            encode=codec.encode_record, decode=codec.decode_record)
   service.restore()
@@ -76,12 +88,31 @@ def run(workdir: str, until: int, fsdp: int = 4) -> dict:
       assert ok, why
     service.step(service.next_batch(stop))
   service.save(force=True)
-  v, params = service.weights()
+  v, params = service.version, learner.snapshot_params()
   out = dict(flat_params(params), version=np.int64(v))
   np.savez(os.path.join(workdir, "params.npz"), **out)
+  fetch_shards(host, addresses, v, os.path.join(workdir, "shards.safetensors"))
   service.close()
   learner.close()
+  srv.stop(shard_server)
   return out
+
+
+def fetch_shards(host, addresses, version, path) -> None:
+  """Version `version`'s pieces from every process's shard server, into one file."""
+  from fr_jax.transport import shards
+  from fr_jax.transport.client import WeightsClient
+  client = WeightsClient(addresses[0])
+  try:
+    vf = shards.VersionFile(path, host.manifest(version), version)
+    got = shards.fetch(vf, [shards.Source("hosts", hosts=tuple(addresses))],
+                       lambda a, v, p, b: client.open_shards(a, v, p, b, timeout=120))
+    assert got["failures"] == {}, got
+    vf.close()
+    with open(os.path.splitext(path)[0] + ".log", "w") as f:  # bytes by source
+      f.write(json.dumps(dict(vf.received)))
+  finally:
+    client.close()
 
 
 def main():

@@ -63,12 +63,30 @@ def test_two_processes_equal_one_and_their_checkpoint_restores_in_one(tmp_path):
   assert (mp / "ckpt" / "3" / "state" / "ocdbt.process_1").is_dir()
   assert [s for s, _ in _losses(mp)] == [1, 2, 3]
 
+  # The weights as a relay gets them: the two processes' own shards (nothing gathered), in
+  # bfloat16, fetched from both into one file: bit-equal to the gathered weights' export.
+  from fr_jax.models import hf_io, registry
+  assert "host 1" in (mp / "shards.log").read_text()  # process 1 served part of it
+  from tests.test_shards import BF16, assert_bit_equal, read_file
+  two = np.load(mp / "params.npz")
+  cfg = registry.load("tiny-qwen2").config.replace(param_dtype="bfloat16")
+  tree = {}
+  for k in two.files:
+    if k == "version":
+      continue
+    *path, leaf = k.split("/")
+    node = tree
+    for p in path:
+      node = node.setdefault(p, {})
+    node[leaf] = two[k].astype(BF16)
+  want = hf_io.save_hf(tmp_path / "gathered", tree, cfg)
+  assert_bit_equal(read_file(mp / "shards.safetensors"), read_file(want / "model.safetensors"))
+
   # One process of 8 devices (this one): restores version 3, makes updates 4 and 5.
   got = drv.run(str(mp), until=5)
   ref = drv.run(str(tmp_path / "one_process"), until=5)
   assert int(got["version"]) == int(ref["version"]) == 5
 
-  from fr_jax.models import registry
   init = drv.flat_params(registry.load("tiny-qwen2").params)
   moved = max(float(np.abs(ref[k] - init[k]).max()) for k in init)
   assert moved > 1e-3  # the updates changed the weights well beyond the tolerance
@@ -77,6 +95,7 @@ def test_two_processes_equal_one_and_their_checkpoint_restores_in_one(tmp_path):
   (steps, a), (steps_ref, b) = zip(*_losses(mp)), zip(*_losses(tmp_path / "one_process"))
   assert list(steps) == list(steps_ref) == [1, 2, 3, 4, 5]
   np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+
 
 
 _IDLE = """

@@ -319,20 +319,23 @@ def test_config_errors_are_named():
 
 def test_generated_stubs_match_the_proto(tmp_path):
   """The checked-in message classes are what `make proto` produces from the checked-in .proto,
-  and rpc.METHODS declares exactly the .proto's service."""
+  and rpc.METHODS / rpc.SHARD_METHODS declare exactly the .proto's services."""
   out = subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I.",
                         f"--python_out={tmp_path}", "fr_jax/transport/fr_jax.proto"],
                        capture_output=True, text=True)
   assert out.returncode == 0, out.stderr
-  svc = pb.DESCRIPTOR.services_by_name["Learner"]
-  assert svc.full_name == rpc.SERVICE
-  kinds = {m.name: ("stream" if m.client_streaming else "unary") + "_" +
-           ("stream" if m.server_streaming else "unary") for m in svc.methods}
-  assert kinds == {n: k for n, (k, _, _) in rpc.METHODS.items()}
-  for m in svc.methods:
-    _, req, resp = rpc.METHODS[m.name]
-    assert (m.input_type.full_name, m.output_type.full_name) == \
-           (req.DESCRIPTOR.full_name, resp.DESCRIPTOR.full_name)
+  assert set(pb.DESCRIPTOR.services_by_name) == {"Learner", "Shards"}
+  for name, full, methods in (("Learner", rpc.SERVICE, rpc.METHODS),
+                              ("Shards", rpc.SHARDS, rpc.SHARD_METHODS)):
+    svc = pb.DESCRIPTOR.services_by_name[name]
+    assert svc.full_name == full
+    kinds = {m.name: ("stream" if m.client_streaming else "unary") + "_" +
+             ("stream" if m.server_streaming else "unary") for m in svc.methods}
+    assert kinds == {n: k for n, (k, _, _) in methods.items()}
+    for m in svc.methods:
+      _, req, resp = methods[m.name]
+      assert (m.input_type.full_name, m.output_type.full_name) == \
+             (req.DESCRIPTOR.full_name, resp.DESCRIPTOR.full_name)
   for name in ("fr_jax_pb2.py",):
     got = (tmp_path / "fr_jax/transport" / name).read_text()
     assert got == open(f"fr_jax/transport/{name}").read(), f"{name} is stale: run make proto"

@@ -232,6 +232,9 @@ class Faulty:
   def PushTrajectories(self, request_iterator, context):
     context.abort(grpc.StatusCode.UNIMPLEMENTED, "not here")
 
+  def GetManifest(self, request, context):  # this weight service has no shards
+    context.abort(grpc.StatusCode.UNIMPLEMENTED, "not here")
+
 
 def test_damaged_or_cut_fetches_are_retried_until_whole(tmp_path, monkeypatch):
   service = PublishedWeights()

@@ -49,6 +49,14 @@ flags.DEFINE_list("cases", ["random:smollm2-135m:float32",
                             "random:r1-distill-qwen-1.5b:bfloat16"],
                   "model:dtype pairs (random:NAME shapes from fr_jax.models.registry.SHAPES)")
 flags.DEFINE_integer("versions", 3, "timed versions per case after the cold first one")
+flags.DEFINE_list("designs", ["whole", "shards"], "whole: every relay fetches the whole model "
+                  "from process 0 (the design before issue 36); shards: a 2-process learner, "
+                  "each process serving its own shards, relays feeding relays")
+flags.DEFINE_list("relays", ["4", "2"], "relays (each with its own server) per case, in the "
+                  "order of --cases")
+flags.DEFINE_enum("update", "negate", ["negate", "sparse"], "how each version differs: every "
+                  "byte (negate: deltas cannot help) or 0.7% of the elements (sparse: the "
+                  "demo run's measured rate, docs/scale.md)")
 flags.DEFINE_float("poll_s", 0.2, "the relays' --poll_s")
 flags.DEFINE_string("dir", "", "where the relays write (default: a temporary directory)")
 FLAGS = flags.FLAGS
@@ -122,7 +130,65 @@ def random_params(cfg, seed: int, where: Path) -> dict:
   return codec.unflatten(flat)
 
 
-def run_case(model: str, dtype: str, out_root: Path) -> None:
+class ShardHosts:
+  """The 2-process learner of the shards design (experiments/benchmarks/shard_hosts.py),
+  driven over the processes' stdin."""
+
+  def __init__(self, model: str, dtype: str, params_dir: Path):
+    import socket
+    with socket.socket() as sock:
+      sock.bind(("127.0.0.1", 0))
+      coord = sock.getsockname()[1]
+    self.procs = [subprocess.Popen(
+        [sys.executable, "-m", "experiments.benchmarks.shard_hosts",
+         f"--params_dir={params_dir}", f"--model={model}", f"--dtype={dtype}",
+         "--num_processes=2", f"--process_id={i}", f"--coordinator=127.0.0.1:{coord}"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        env=dict(ENV, FR_JAX_LEARNER_SECRET="bench")) for i in range(2)]
+    line = self._line(0, "serving")
+    self.port = int(line.split()[1])
+
+  def _line(self, k: int, prefix: str) -> str:
+    while True:
+      line = self.procs[k].stdout.readline()
+      if not line:
+        raise RuntimeError(f"shard host {k} exited ({self.procs[k].poll()})")
+      if line.startswith(prefix):
+        return line.strip()
+
+  def _send(self, k: int, text: str) -> None:
+    self.procs[k].stdin.write(text + "\n")
+    self.procs[k].stdin.flush()
+
+  def publish(self, v: int, how: str) -> None:
+    """Process 1's pieces first, then process 0's (which announces the version)."""
+    self._send(1, f"publish {v} {how}")
+    self._line(1, "published")
+    self._send(0, f"publish {v} {how}")
+    self._line(0, "published")
+
+  def sent_bytes(self) -> int:
+    total = 0
+    for k in range(2):
+      self._send(k, "stats")
+      total += json.loads(self._line(k, "{"))["sent_bytes"]
+    return total
+
+  def shutdown(self) -> None:
+    self._send(0, "quit")
+    self._line(0, "shutdown")
+
+  def close(self) -> None:
+    for k, p in enumerate(self.procs):
+      if p.poll() is None:
+        try:
+          self._send(k, "exit")
+          p.wait(timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+          p.kill()
+
+
+def run_case(model: str, dtype: str, out_root: Path, design: str, n_relays: int) -> None:
   import jax
 
   from fr_jax.models import registry
@@ -133,12 +199,16 @@ def run_case(model: str, dtype: str, out_root: Path) -> None:
   from tests.sglang_standin import PublishedWeights, StandInSGLang
 
   cfg = registry.shape_config(model.removeprefix("random:"), param_dtype=dtype)
-  gb = cfg.num_params * np.dtype(jax.numpy.dtype(dtype)).itemsize / 2**30
-  need = 4.3 * gb + 2.0  # 2 servers and 2 relays' buffers, at once, + code
+  itemsize = np.dtype(jax.numpy.dtype(dtype)).itemsize
+  gb = cfg.num_params * itemsize / 2**30
+  wire_gb = cfg.num_params * 2 / 2**30  # shards travel in bfloat16
+  # servers, and the whole design's relay buffers or the shards design's two hosts' pieces
+  need = (n_relays * 1.15 * gb + (n_relays * gb if design == "whole" else 2 * wire_gb)) + 2.0
   avail = mem_available_gb()
+  tag = f"{model.replace(':', '_')}-{dtype}-{design}{n_relays}"
   if avail < need:
-    emit("skipped", model=model, dtype=dtype, model_gb=round(gb, 2),
-         reason=f"{avail:.1f} GB available, about {need:.1f} GB needed")
+    emit("skipped", model=model, dtype=dtype, design=design, relays=n_relays,
+         model_gb=round(gb, 2), reason=f"{avail:.1f} GB available, about {need:.1f} GB needed")
     return
   watch = MemWatch()
   t0 = time.perf_counter()
@@ -146,7 +216,7 @@ def run_case(model: str, dtype: str, out_root: Path) -> None:
   # copies of bf16 weights (+5.5 GB at the 1.5B shapes)
   m0 = registry.load(model, param_dtype=dtype, compute_dtype=dtype, seed=0)
   standins = [StandInSGLang(m0, num_slots=1, max_len=64, drop_before_load=True)
-              for _ in range(2)]
+              for _ in range(n_relays)]
   del m0
   clients = [SGLangEngine(s.url, timeout=600) for s in standins]
   probe = Request("warm", [1, 2, 3], max_new_tokens=1, temperature=1.0, seed=0)
@@ -154,32 +224,44 @@ def run_case(model: str, dtype: str, out_root: Path) -> None:
     c.generate([probe])
   setup_s = time.perf_counter() - t0
 
-  service = PublishedWeights()
-  published = random_params(cfg, 1, out_root / f"{model.replace(':', '_')}-{dtype}-published")
-  service.publish(1, published)
-  server, port = srv.serve(service)
-  rdirs = [out_root / f"{model.replace(':', '_')}-{dtype}-relay{k}" for k in range(2)]
+  published = random_params(cfg, 1, out_root / f"{tag}-published")
+  hosts = server = None
+  if design == "whole":
+    service = PublishedWeights()
+    service.publish(1, published)
+    server, port = srv.serve(service)
+  else:
+    hosts = ShardHosts(model, dtype, out_root / f"{tag}-published")
+    port = hosts.port
+  rdirs = [out_root / f"{tag}-relay{k}" for k in range(n_relays)]
   t_pub = {1: time.time()}
+  extra = (["--fetch=whole"] if design == "whole" else
+           ["--fetch=shards", "--serve_address=127.0.0.1:0"])
   relays = [subprocess.Popen(
       [sys.executable, "-m", "launch.weight_relay", "--config=experiments/configs/cpu_default.py",
        f"--config.model.name={model}", f"--config.model.param_dtype={dtype}",
        f"--learner=127.0.0.1:{port}", f"--sglang={s.url}", f"--dir={d}",
-       f"--poll_s={FLAGS.poll_s}"],
+       f"--poll_s={FLAGS.poll_s}", f"--relay_id=relay{k}", *extra],
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
-      for s, d in zip(standins, rdirs)]
+      for k, (s, d) in enumerate(zip(standins, rdirs))]
   watch.pids = [p.pid for p in relays]
-  emit("settings", model=model, dtype=dtype, params=cfg.num_params,
-       bytes=int(cfg.num_params * np.dtype(jax.numpy.dtype(dtype)).itemsize),
-       versions=FLAGS.versions, poll_s=FLAGS.poll_s, servers=2, setup_s=round(setup_s, 1),
-       mem_available_gb=round(avail, 1))
-  rows = []
+  emit("settings", model=model, dtype=dtype, design=design, relays=n_relays,
+       params=cfg.num_params, bytes=int(cfg.num_params * itemsize),
+       wire_bytes=int(cfg.num_params * (itemsize if design == "whole" else 2)),
+       update=FLAGS.update if design == "shards" else "negate", versions=FLAGS.versions,
+       poll_s=FLAGS.poll_s, setup_s=round(setup_s, 1), mem_available_gb=round(avail, 1))
+  rows, egress = [], {}
+  sent0 = 0
   try:
     for v in range(1, FLAGS.versions + 2):
-      if v > 1:  # different weights, same shapes, made in place: no second copy
-        for a in jax.tree.leaves(published):  # (both servers hold v - 1: nobody fetches)
-          np.negative(a, out=a)
+      if v > 1:
         t_pub[v] = time.time()
-        service.publish(v, published)
+        if design == "whole":  # different weights, same shapes, made in place: no copy
+          for a in jax.tree.leaves(published):
+            np.negative(a, out=a)
+          service.publish(v, published)
+        else:
+          hosts.publish(v, FLAGS.update)
       for k, (s, c) in enumerate(zip(standins, clients)):
         t_end = time.monotonic() + 900
         while not (s.loads and s.loads[-1][0] == v):
@@ -193,7 +275,13 @@ def run_case(model: str, dtype: str, out_root: Path) -> None:
         assert got.versions == [v], got.versions
         rows.append(dict(version=v, server=k, loaded_s=s.loads[-1][2] - t_pub[v],
                          serving_s=time.time() - t_pub[v]))
-    service.shutdown.set()
+      if hosts is not None:
+        sent = hosts.sent_bytes()
+        egress[v], sent0 = sent - sent0, sent
+    if hosts is not None:
+      hosts.shutdown()
+    else:
+      service.shutdown.set()
     summaries = []
     for p in relays:
       out, err = p.communicate(timeout=120)
@@ -208,31 +296,43 @@ def run_case(model: str, dtype: str, out_root: Path) -> None:
       c.close()
     for s in standins:
       s.close()
-    srv.stop(server)
+    if server is not None:
+      srv.stop(server)
+    if hosts is not None:
+      hosts.close()
   low = watch.close()
 
   for r in rows:
     d = summaries[r["server"]]["versions"][r["version"] - 1]
     assert d["version"] == r["version"]
-    emit("version", model=model, dtype=dtype, cold=r["version"] == 1, version=r["version"],
-         server=r["server"], mb=round(d["bytes"] / 1e6, 1), fetch_s=round(d["fetch_s"], 3),
-         fetch_mb_s=round(d["bytes"] / 1e6 / d["fetch_s"], 1), write_s=round(d["write_s"], 3),
-         load_s=round(d["load_s"], 3), attempts=d["attempts"],
+    emit("version", model=model, dtype=dtype, design=design, relays=n_relays,
+         cold=r["version"] == 1, version=r["version"], server=r["server"],
+         mb=round(d["bytes"] / 1e6, 1), wire_mb=round(d["wire_bytes"] / 1e6, 1),
+         fetch_s=round(d["fetch_s"], 3), fetch_mb_s=round(d["bytes"] / 1e6 / d["fetch_s"], 1),
+         write_s=round(d["write_s"], 3), load_s=round(d["load_s"], 3), attempts=d["attempts"],
          publish_to_loaded_s=round(r["loaded_s"], 3),
          publish_to_serving_s=round(r["serving_s"], 3))
+  if design == "whole":  # process 0 sent each relay everything it received
+    for v in range(1, FLAGS.versions + 2):
+      egress[v] = sum(s["versions"][v - 1]["wire_bytes"] for s in summaries)
   warm = [r for r in rows if r["version"] > 1]
-  both = [max(r["serving_s"] for r in warm if r["version"] == v)
-          for v in range(2, FLAGS.versions + 2)]
+  everyone = [max(r["serving_s"] for r in warm if r["version"] == v)
+              for v in range(2, FLAGS.versions + 2)]
   ds = [summaries[r["server"]]["versions"][r["version"] - 1] for r in warm]
   med = lambda xs: round(statistics.median(xs), 3)  # noqa: E731
-  emit("summary", model=model, dtype=dtype, mb=round(ds[0]["bytes"] / 1e6, 1),
-       timed_versions=FLAGS.versions,
+  model_bytes = ds[0]["bytes"]
+  emit("summary", model=model, dtype=dtype, design=design, relays=n_relays,
+       mb=round(model_bytes / 1e6, 1), timed_versions=FLAGS.versions,
+       egress_bytes_per_version=[egress[v] for v in range(2, FLAGS.versions + 2)],
+       egress_over_model_median=med([egress[v] / model_bytes
+                                     for v in range(2, FLAGS.versions + 2)]),
        fetch_mb_s_per_relay_median=med([d["bytes"] / 1e6 / d["fetch_s"] for d in ds]),
+       wire_mb_per_relay_median=med([d["wire_bytes"] / 1e6 for d in ds]),
        fetch_s_median=med([d["fetch_s"] for d in ds]),
        write_s_median=med([d["write_s"] for d in ds]),
        load_s_median=med([d["load_s"] for d in ds]),
-       publish_to_both_serving_s_median=med(both), publish_to_both_serving_s_max=round(
-           max(both), 3),
+       publish_to_all_serving_s_median=med(everyone), publish_to_all_serving_s_max=round(
+           max(everyone), 3),
        failures=[s["failures"] for s in summaries],
        relay_peak_rss_mb=[round(s["peak_rss_mb"]) for s in summaries],
        bench_peak_rss_mb=round(relay.peak_rss_mb()),
@@ -254,9 +354,12 @@ def main(argv):
        mem_total_gb=round(os.sysconf("SC_PAGE_SIZE")
                                                   * os.sysconf("SC_PHYS_PAGES") / 2**30, 1))
   root = Path(FLAGS.dir or tempfile.mkdtemp(prefix="weight_relay_bench_"))
-  for case in FLAGS.cases:
+  if len(FLAGS.relays) != len(FLAGS.cases):
+    raise app.UsageError("--relays needs one count per --cases entry")
+  for case, n in zip(FLAGS.cases, FLAGS.relays):
     model, _, dtype = case.rpartition(":")
-    run_case(model, dtype, root)
+    for design in FLAGS.designs:
+      run_case(model, dtype, root, design, int(n))
   if not FLAGS.dir:
     import shutil
     shutil.rmtree(root, ignore_errors=True)

@@ -39,7 +39,7 @@ from fr_jax.learner import diagnostics, multihost, optim, quarantine, step
 from fr_jax.learner import mesh as meshlib
 from fr_jax.learner.metrics import MetricsWriter
 from fr_jax.learner.programs import PROGRAMS
-from fr_jax.models import registry
+from fr_jax.models import hf_shards, registry
 from fr_jax.models.hf_io import export_hf
 from fr_jax.packing import pack
 from fr_jax.trajectory import Trajectory
@@ -343,6 +343,22 @@ class Learner:
       return jax.block_until_ready(params)
     from jax.experimental import multihost_utils
     return multihost_utils.process_allgather(self.state.params, tiled=True)
+
+  shard_sink = None  # a transport.shards.ShardHost on every process (launch.learner sets it)
+  _shard_manifest = None
+
+  @multihost.collective
+  def publish_shards(self, version: int) -> None:
+    """Hands this process's pieces of the current parameters, in the sink's dtype, to
+    `shard_sink` as `version` (`fr_jax.models.hf_shards`: each process takes its own
+    addressable shards; nothing is gathered). Every process calls it, like an update."""
+    if self.shard_sink is None:
+      return
+    params, cfg = self.state.params, self.model_config
+    if self._shard_manifest is None or self._shard_manifest.dtype != self.shard_sink.dtype:
+      self._shard_manifest = hf_shards.manifest_of(params, cfg, self.shard_sink.dtype)
+    m = self._shard_manifest
+    self.shard_sink.put(version, m, hf_shards.local_pieces(params, cfg, m, jax.process_index()))
 
   def export_hf(self, path, params=None) -> str:
     """Writes the parameters (default: the current ones) as a HF safetensors directory

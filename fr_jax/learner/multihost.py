@@ -56,6 +56,7 @@ log = logging.getLogger("fr_jax.learner.multihost")
 
 KEEP = 16  # announcements kept in the key-value store
 _PREFIX = "fr_jax/learner_call/"
+_VALUES = "fr_jax/value/"  # put_signed / get_signed
 POLL_MS = 60_000  # a follower's wait is a loop of waits this long
 SECRET_ENV = ("FR_JAX_LEARNER_SECRET", "FR_JAX_TOKEN")  # where the run's secret is read
 _secret = ""  # the run's secret, set by `initialize`
@@ -86,6 +87,7 @@ CALLS = {
               "extra": _optional(dict)}, False),
     "restore": ({"step_": lambda v: v is None or type(v) is int}, False),
     "snapshot_params": ({}, False),
+    "publish_shards": ({"version": lambda v: type(v) is int}, False),
     "close": ({}, False),
 }
 
@@ -211,6 +213,32 @@ class Group:
     if len(sealed) < 32 or not hmac.compare_digest(mac, self._mac(n, payload)):
       raise ForgedAnnouncement(f"announcement {n}: bad HMAC ({len(sealed)} bytes)")
     return payload
+
+  def _value_mac(self, name: str, value: bytes) -> bytes:
+    return hmac.new(self._mac_key, self._session + b"value/" + name.encode() + b"\0" + value,
+                    hashlib.sha256).digest()
+
+  def put_signed(self, name: str, value: bytes) -> None:
+    """Publishes `value` under `name` for the other processes (`get_signed`), sealed with the
+    run's secret: e.g. where this process serves its weight shards."""
+    self.client.key_value_set_bytes(f"{_VALUES}{name}", self._value_mac(name, value) + value,
+                                    allow_overwrite=True)
+
+  def get_signed(self, name: str, timeout_ms: int = 300_000) -> bytes:
+    """The value a process of this run put under `name`, waiting for it; a value someone
+    else wrote there is refused (ForgedAnnouncement) and waited through."""
+    deadline = time.monotonic() + timeout_ms / 1000
+    while True:
+      left = max(1, int((deadline - time.monotonic()) * 1000))
+      sealed = self.client.blocking_key_value_get_bytes(f"{_VALUES}{name}", left)
+      mac, value = sealed[:32], sealed[32:]
+      if len(sealed) >= 32 and hmac.compare_digest(mac, self._value_mac(name, value)):
+        return value
+      self.forged += 1
+      log.warning("refused a forged value for %s", name)
+      if time.monotonic() > deadline:
+        raise ForgedAnnouncement(f"{name}: no authentic value within {timeout_ms} ms")
+      time.sleep(0.05)
 
   @property
   def leader(self) -> bool:

@@ -3,6 +3,9 @@
 Updates donate the live parameter buffers, so a published version is a copy
 (`Learner.snapshot_params`: on device, or in host memory when the learner spans processes),
 taken between updates and handed out by version (`weights(min_version)`), never the live state.
+With a shard sink (`Learner.shard_sink`, set by launch.learner for weight relays), each
+learner process also keeps its own pieces of each version in the servers' dtype
+(`fr_jax.transport.shards`).
 With `keep` > 1 the last `keep` versions stay available by number (`weights_at`), for a
 worker that samples at a fixed lag (`rollout.fixed_lag`).
 With an HF export directory each publication is also written as HF safetensors for SGLang
@@ -44,8 +47,15 @@ class Publisher:
     return next(reversed(self._kept.items()), (-1, None))
 
   def publish(self, version: int) -> None:
-    """Snapshots the learner's current parameters as `version` (call between updates)."""
-    params = self.learner.snapshot_params()
+    """Snapshots the learner's current parameters as `version` (call between updates). With
+    a shard sink every process hands it its own pieces (`Learner.publish_shards`); a learner
+    over several processes then gathers nothing unless it also exports HF files, and
+    `weights()` gives (version, None)."""
+    sink = getattr(self.learner, "shard_sink", None)
+    if sink is not None:
+      self.learner.publish_shards(version=version)
+    whole = sink is None or self.learner.group is None or bool(self.hf_export_dir)
+    params = self.learner.snapshot_params() if whole else None
     if self.hf_export_dir:
       if self._exported is None:
         durable.clean_partial(self.hf_export_dir)

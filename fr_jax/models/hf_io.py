@@ -195,30 +195,71 @@ def _moe_from_hf(shapes, cfg: ModelConfig, tensors, take, dtype) -> dict[str, np
   return out
 
 
+def hf_leaves(cfg: ModelConfig) -> dict:
+  """How each fr_jax parameter ('/'-joined path: "embed", "layers/wq", "moe/experts_up", ...)
+  maps onto HF tensors: {path: (lead, name, transpose)}. Its first `lead` axes index separate
+  HF tensors, `name(indices)` is the HF name of the one at those indices, and its other axes
+  are that tensor's, the last two swapped if `transpose`. In the order `iter_hf_tensors`
+  yields them."""
+  out: dict = {k: (0, lambda _, n=n: n, False) for k, n in _TOP_NAMES.items()}
+
+  def per_layer(group, layers):
+    for k, (n, tr) in _LAYER_NAMES.items():
+      out[f"{group}/{k}"] = (1, lambda ix, n=n: f"model.layers.{layers[ix[0]]}.{n}", tr)
+
+  per_layer("layers", list(range(cfg.num_layers)))
+  moe = list(cfg.moe_layers)
+  out["moe/router"] = (1, lambda ix: f"model.layers.{moe[ix[0]]}.mlp.{_ROUTER_NAME}", True)
+  for k, n in _EXPERT_NAMES.items():
+    out[f"moe/{k}"] = (2, lambda ix, n=n: f"model.layers.{moe[ix[0]]}.mlp.experts.{ix[1]}.{n}",
+                       True)
+  per_layer("mlp", list(cfg.dense_layers))
+  shapes = decoder.param_shapes(cfg)
+
+  def present(path):
+    node = shapes
+    for p in path.split("/"):
+      if not isinstance(node, dict) or p not in node:
+        return False
+      node = node[p]
+    return True
+
+  return {k: v for k, v in out.items() if present(k)}
+
+
+def hf_blocks(layout, block, start=None):
+  """(HF name, start in that tensor, NumPy block in HF layout) for a block of one fr_jax
+  parameter: `block` (NumPy or a device array) at `start` (default: the whole parameter)
+  in it, mapped by `layout` (an entry of `hf_leaves`). A transposed block is a view, not a
+  copy; a device array comes to the host one index of its first axis at a time (one layer's
+  or one sparse layer's experts)."""
+  lead, name, transpose = layout
+  start = (0,) * block.ndim if start is None else tuple(start)
+  tail = start[lead:]
+  if transpose:
+    tail = (*tail[:-2], tail[-1], tail[-2])
+  if lead == 0:
+    a = np.asarray(block)
+    yield name(()), tail, (np.swapaxes(a, -1, -2) if transpose else a)
+    return
+  for i in range(block.shape[0]):
+    sub = np.asarray(block[i])
+    for rest in np.ndindex(*block.shape[1:lead]):
+      a = sub[rest]
+      yield (name((start[0] + i, *(s + r for s, r in zip(start[1:lead], rest)))), tail,
+             np.swapaxes(a, -1, -2) if transpose else a)
+
+
 def iter_hf_tensors(params, cfg: ModelConfig):
   """(HF name, NumPy array in HF layout) for each tensor, one at a time; linear weights are
   transposed views, not copies, so a caller can convert and write them one by one. A
   Qwen3-MoE model's experts come one expert at a time, in the released checkpoints' names,
-  from one sparse layer's stack on the host at a time."""
-  def per_layer(tree, layers):
-    for k, stacked in tree.items():
-      hf_name, tr = _LAYER_NAMES[k]
-      stacked = np.asarray(stacked)
-      for j, i in enumerate(layers):
-        yield f"model.layers.{i}.{hf_name}", (stacked[j].T if tr else stacked[j])
-
-  for k, hf_name in _TOP_NAMES.items():
-    if k in params:
-      yield hf_name, np.asarray(params[k])
-  yield from per_layer(params["layers"], range(cfg.num_layers))
-  for j, i in enumerate(cfg.moe_layers):
-    layer = {k: np.asarray(a[j]) for k, a in params["moe"].items()}
-    pre = f"model.layers.{i}.mlp."
-    yield pre + _ROUTER_NAME, layer["router"].T
-    for e in range(cfg.num_experts):
-      for k, hf_name in _EXPERT_NAMES.items():
-        yield f"{pre}experts.{e}.{hf_name}", layer[k][e].T
-  yield from per_layer(params.get("mlp", {}), cfg.dense_layers)
+  from one sparse layer's stack on the host at a time (`hf_blocks`)."""
+  for path, layout in hf_leaves(cfg).items():
+    group, _, leaf = path.rpartition("/")
+    a = params[group][leaf] if group else params[leaf]
+    for name, _, block in hf_blocks(layout, a):
+      yield name, block
 
 
 def save_hf(path, params, cfg: ModelConfig, *, tokenizer_files: dict | None = None,

@@ -24,7 +24,9 @@ for the chaos run, `launch.worker --ack_ledger`).
 devices, and nothing is serialised.
 `WeightsClient` is the part of `GrpcClient` without a trajectory stream (weights and
 heartbeats only), for processes that only follow the learner's weights: the weight relay
-beside each SGLang server (`fr_jax/transport/relay.py`).
+beside each SGLang server (`fr_jax/transport/relay.py`), which also asks for manifests
+(`manifest`) and pieces from any learner process or peer relay (`open_shards`, over channels
+with the same credentials).
 """
 
 from __future__ import annotations
@@ -96,11 +98,43 @@ class WeightsClient:
   def __init__(self, address: str, *, worker_id: str = "worker", token: str = "",
                tls_ca: str = "", tls_cert: str = "", tls_key: str = ""):
     self.address, self.worker_id = address, worker_id
-    self.channel = (grpc.secure_channel(address, channel_credentials(tls_ca, tls_cert, tls_key),
-                                        options=CHANNEL_OPTIONS) if tls_ca
-                    else grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
+    self._tls = (tls_ca, tls_cert, tls_key)
+    self.channel = self._channel(address)
     self.stub = rpc.Stub(self.channel)
     self._md = (("authorization", f"Bearer {token}"),) if token else None
+    self._stubs = {"": self.stub, address: self.stub}  # shard sources by address
+    self._stubs_lock = threading.Lock()
+    self._peer_channels: list[grpc.Channel] = []
+
+  def _channel(self, address: str) -> grpc.Channel:
+    return (grpc.secure_channel(address, channel_credentials(*self._tls),
+                                options=CHANNEL_OPTIONS) if self._tls[0]
+            else grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
+
+  def manifest(self, min_version: int, serve_address: str = "", timeout: float = 30.0):
+    """(version, manifest JSON, hosts, parent) of the learner's shards if their version >=
+    min_version; None if nothing that new. Raises grpc.RpcError: UNIMPLEMENTED from a
+    learner that does not serve shards, UNAVAILABLE while it cannot be reached."""
+    r = self.stub.GetManifest(pb.ManifestRequest(min_version=min_version,
+                                                 worker_id=self.worker_id,
+                                                 serve_address=serve_address),
+                              metadata=self._md, timeout=timeout)
+    return None if r.version < 0 else (r.version, r.manifest, list(r.hosts), r.parent)
+
+  def open_shards(self, address: str, version: int, pieces: list[int],
+                  base_version: int | None = None, timeout: float = 3600.0):
+    """The chunk stream of `pieces` of `version` from the shard server at `address` ("": the
+    learner's), as deltas against `base_version` where it sends them."""
+    with self._stubs_lock:
+      stub = self._stubs.get(address)
+      if stub is None:
+        channel = self._channel(address)
+        self._peer_channels.append(channel)
+        stub = self._stubs[address] = rpc.Stub(channel)
+    return stub.GetShards(pb.ShardsRequest(version=version, pieces=pieces,
+                                           base_version=base_version,
+                                           worker_id=self.worker_id),
+                          metadata=self._md, timeout=timeout)
 
   def fetch_weights(self, min_version: int, timeout: float = 300.0,
                     max_bytes: int | None = None):
@@ -155,6 +189,8 @@ class WeightsClient:
     return rpc.fields(r)
 
   def close(self):
+    for channel in self._peer_channels:
+      channel.close()
     self.channel.close()
 
 

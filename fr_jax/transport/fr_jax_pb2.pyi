@@ -71,7 +71,7 @@ class WeightsRequest(_message.Message):
     def __init__(self, min_version: _Optional[int] = ..., worker_id: _Optional[str] = ...) -> None: ...
 
 class WeightsChunk(_message.Message):
-    __slots__ = ("version", "num_tensors", "name", "dtype", "shape", "offset", "total_bytes", "data", "hf_dir", "crc32")
+    __slots__ = ("version", "num_tensors", "name", "dtype", "shape", "offset", "total_bytes", "data", "hf_dir", "crc32", "piece", "base_version")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,8 @@ class WeightsChunk(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     HF_DIR_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
+    PIECE_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     version: int
     num_tensors: int
     name: str
@@ -92,7 +94,43 @@ class WeightsChunk(_message.Message):
     data: bytes
     hf_dir: str
     crc32: int
-    def __init__(self, version: _Optional[int] = ..., num_tensors: _Optional[int] = ..., name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., hf_dir: _Optional[str] = ..., crc32: _Optional[int] = ...) -> None: ...
+    piece: int
+    base_version: int
+    def __init__(self, version: _Optional[int] = ..., num_tensors: _Optional[int] = ..., name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., hf_dir: _Optional[str] = ..., crc32: _Optional[int] = ..., piece: _Optional[int] = ..., base_version: _Optional[int] = ...) -> None: ...
+
+class ManifestRequest(_message.Message):
+    __slots__ = ("min_version", "worker_id", "serve_address")
+    MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SERVE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    min_version: int
+    worker_id: str
+    serve_address: str
+    def __init__(self, min_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., serve_address: _Optional[str] = ...) -> None: ...
+
+class ManifestReply(_message.Message):
+    __slots__ = ("version", "manifest", "hosts", "parent")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    HOSTS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    manifest: str
+    hosts: _containers.RepeatedScalarFieldContainer[str]
+    parent: str
+    def __init__(self, version: _Optional[int] = ..., manifest: _Optional[str] = ..., hosts: _Optional[_Iterable[str]] = ..., parent: _Optional[str] = ...) -> None: ...
+
+class ShardsRequest(_message.Message):
+    __slots__ = ("version", "pieces", "base_version", "worker_id")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PIECES_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    pieces: _containers.RepeatedScalarFieldContainer[int]
+    base_version: int
+    worker_id: str
+    def __init__(self, version: _Optional[int] = ..., pieces: _Optional[_Iterable[int]] = ..., base_version: _Optional[int] = ..., worker_id: _Optional[str] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
     __slots__ = ("worker_id", "engine_version", "trajectories", "tokens", "uptime_s", "inflight")

@@ -26,6 +26,14 @@ One loop, one version at a time:
    the server which version it holds; a server that restarted comes back with its launch
    weights, and the learner's version is delivered to it again (`server_reset`).
 
+**Shards** (`fr_jax.transport.shards`). With a learner that serves them (the default of
+`launch.learner`), steps 2 and 3 are one: `GetManifest` names the version, its pieces, the
+learner hosts and a parent relay, and the pieces are written straight into the version's
+safetensors file from the parent, then the hosts (in parallel), in the serving dtype, as
+deltas against the version the relay holds where the learner still has it. The relay serves
+the versions it holds to its peers (`serve`, through `launch.weight_relay --serve_address`).
+A learner without shards (UNIMPLEMENTED) is followed as above.
+
 The HF config comes from the run config's model (`model_spec`: its shapes, GGUF metadata or
 config.json, never its weights) and is checked against every tensor received; a mismatch
 (`--config` names another model than the learner trains) stops the relay with RelayError.
@@ -45,14 +53,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import grpc
 import jax
 import numpy as np
 
 from fr_jax import durable
-from fr_jax.models import decoder
-from fr_jax.models.config import ModelConfig
+from fr_jax.models import decoder, hf_shards
+from fr_jax.models.config import ModelConfig, to_hf_config
 from fr_jax.models.hf_io import save_hf
-from fr_jax.transport import codec
+from fr_jax.transport import codec, shards
 
 log = logging.getLogger("fr_jax.relay")
 
@@ -154,12 +163,15 @@ class Delivery:
   fetch_s: float  # the successful fetch, checksums included
   write_s: float
   load_s: float
-  attempts: int  # fetches it took
+  attempts: int  # fetches it took (shards: sources used)
   path: str
+  wire_bytes: int = 0  # received: less than `bytes` where pieces came as deltas
 
   def line(self, server: str) -> str:
     mb = self.bytes / 1e6
-    return (f"relay: v{self.version} fetched {mb:.0f} MB in {self.fetch_s:.1f} s "
+    wire = (f", {self.wire_bytes / 1e6:.1f} MB on the wire"
+            if self.wire_bytes and self.wire_bytes != self.bytes else "")
+    return (f"relay: v{self.version} fetched {mb:.0f} MB{wire} in {self.fetch_s:.1f} s "
             f"({mb / max(self.fetch_s, 1e-9):.0f} MB/s"
             f"{f', {self.attempts} attempts' if self.attempts > 1 else ''}), written in "
             f"{self.write_s:.1f} s, loaded by {server} in {self.load_s:.1f} s")
@@ -176,7 +188,8 @@ class Relay:
                served: Callable[[], int | None] | None = None,
                backoff_min: float = 0.2, backoff_max: float = 5.0,
                fetch_timeout_s: float = 3600.0, max_fetch_attempts: int = 8,
-               say: Callable[[str], None] = print):
+               say: Callable[[str], None] = print, use_shards: bool | None = None,
+               serve_address: str = ""):
     if keep < 1:
       raise ValueError(f"keep={keep}: keep at least the version the server loaded")
     self.client, self.load, self.out_dir = client, load, Path(out_dir)
@@ -194,6 +207,10 @@ class Relay:
     self.delivered = -1  # the version the server holds (-1: none delivered yet)
     self.history: list[Delivery] = []
     self.failures: collections.Counter = collections.Counter()  # by reason
+    self.use_shards = use_shards  # None: if the learner serves them
+    self.serve_address = serve_address  # where peers reach this relay's `serve`
+    self.files: collections.OrderedDict = collections.OrderedDict()  # v -> VersionFile
+    self._files_lock = threading.Lock()
     self.t_start = time.monotonic()
     for name in clean_partial(self.out_dir):
       log.warning("removed %s/%s, left by an interrupted write", self.out_dir, name)
@@ -227,6 +244,17 @@ class Relay:
 
   def deliver(self, min_version: int, stop: threading.Event) -> Delivery | None:
     """Fetches, writes and loads the learner's weights if their version >= min_version."""
+    if self.use_shards is not False:
+      try:
+        return self.deliver_shards(min_version, stop)
+      except grpc.RpcError as e:
+        if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+          self.failures["unreachable"] += 1
+          log.warning("relay: no manifest from %s: %s %s", self.client.address, e.code(),
+                      e.details())
+          return None
+        log.info("relay: %s serves no shards; fetching whole weights", self.client.address)
+        self.use_shards = False
     got = self.fetch(min_version, stop)
     if got is None:
       return None
@@ -246,6 +274,97 @@ class Relay:
       return None
     write_s = time.perf_counter() - t0
     del params  # the server may need the memory to load
+    return self._load(path, v, nbytes, fetch_s, write_s, attempts, stop)
+
+  # --- shards ---
+  def check_manifest(self, manifest: hf_shards.Manifest) -> ModelConfig:
+    """The configured model with the manifest's dtype (and tied embeddings when it has no
+    lm_head); RelayError naming the first tensor the configured model does not have alike."""
+    cfg = self.cfg
+    if "lm_head.weight" not in manifest.tensors and not cfg.tie_embeddings:
+      cfg = cfg.replace(tie_embeddings=True)
+    cfg = cfg.replace(param_dtype=manifest.dtype)
+    want = hf_shards.hf_tensor_shapes(cfg)
+    for name in sorted(set(want) | set(manifest.tensors)):
+      if want.get(name) != manifest.tensors.get(name):
+        raise RelayError(
+            f"the learner's tensor {name!r} has shape {manifest.tensors.get(name)}, the "
+            f"configured model ({cfg.family}, {cfg.num_layers} layers, hidden "
+            f"{cfg.hidden_size}) expects {want.get(name)}: give --config the learner's run "
+            "config")
+    return cfg
+
+  def deliver_shards(self, min_version: int, stop: threading.Event) -> Delivery | None:
+    """One version through shards (module doc): manifest, pieces into the file, load."""
+    got = self.client.manifest(min_version, self.serve_address)
+    if got is None:
+      return None
+    v, manifest_json, hosts, parent = got
+    try:
+      manifest = hf_shards.Manifest.from_json(manifest_json)
+    except hf_shards.ManifestError as e:
+      self.failures["bad_manifest"] += 1
+      log.warning("relay: %s", e)
+      return None
+    cfg = self.check_manifest(manifest)
+    with self._files_lock:
+      base = self.files.get(self.delivered)
+    if base is not None and base.manifest != manifest:
+      base = None
+    sources = ([shards.Source(f"relay {parent}", parent)] if parent else []) + \
+        [shards.Source("hosts", hosts=tuple(hosts))]
+    vf, stats = None, {}
+
+    def fill(d: Path) -> None:
+      nonlocal vf, stats
+      vf = shards.VersionFile(d / "model.safetensors", manifest, v)
+      with self._files_lock:
+        self.files[v] = vf
+      stats = shards.fetch(vf, sources, self._open_stream, base=base, stop=stop)
+      (d / "config.json").write_text(json.dumps(to_hf_config(cfg), indent=2))
+      for name, text in (self.tokenizer_files or {}).items():
+        (d / name).write_text(text)
+
+    t0 = time.perf_counter()
+    try:
+      path = durable.write_version(self.out_dir, v, fill)
+    except (OSError, codec.WeightsError) as e:
+      reason = e.reason if isinstance(e, codec.WeightsError) else "write_failed"
+      self.failures[reason] += 1
+      for r, n in (stats or {}).get("failures", {}).items():
+        self.failures[r] += n
+      if vf is not None:
+        vf.failed.set()
+        with self._files_lock:
+          self.files.pop(v, None)
+        vf.close()
+      log.warning("relay: v%d not fetched and written (%s); trying again after the next "
+                  "poll", v, e)
+      return None
+    for r, n in stats["failures"].items():
+      self.failures[r] += n
+    fetch_s = time.perf_counter() - t0
+    with self._files_lock:
+      while len(self.files) > max(self.keep, 2):
+        self.files.popitem(last=False)[1].close()
+    log.info("relay: v%d from %s (%s)", v, stats["sources"], dict(vf.received))
+    return self._load(path, v, manifest.nbytes, fetch_s, 0.0, len(stats["sources"]), stop,
+                      wire_bytes=sum(vf.received.values()))
+
+  def _open_stream(self, address, version, pieces, base_version):
+    return self.client.open_shards(address, version, pieces, base_version,
+                                   timeout=self.fetch_timeout_s)
+
+  def serve(self, request, context):
+    """A peer's `GetShards`: the pieces of a version this relay holds or is fetching."""
+    with self._files_lock:
+      vf = self.files.get(request.version)
+    if vf is None or vf.failed.is_set():
+      context.abort(grpc.StatusCode.NOT_FOUND, f"this relay does not hold v{request.version}")
+    yield from vf.serve(request, context)
+
+  def _load(self, path, v: int, nbytes: int, fetch_s: float, write_s: float, attempts: int,
+            stop: threading.Event, wire_bytes: int | None = None) -> Delivery | None:
     backoff = self.backoff_min
     while True:  # a load once begun is not abandoned: the server must not stay paused
       if stop.is_set():
@@ -265,7 +384,8 @@ class Relay:
         log.warning("relay: %s unreachable while loading v%d (%s); again in %.1f s",
                     self.server, v, e, backoff)
         backoff = self._wait(backoff, stop)
-    d = Delivery(v, nbytes, fetch_s, write_s, time.perf_counter() - t0, attempts, str(path))
+    d = Delivery(v, nbytes, fetch_s, write_s, time.perf_counter() - t0, attempts, str(path),
+                 nbytes if wire_bytes is None else wire_bytes)
     previous, self.delivered = self.delivered, v
     self.history.append(d)
     durable.prune(self.out_dir, v, self.keep, also=previous if self.keep > 1 else None)

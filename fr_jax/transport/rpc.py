@@ -1,6 +1,7 @@
-"""The `fr_jax.Learner` service's method table, and the server registration and client stub
-built from it (the messages come from `fr_jax_pb2`, generated from fr_jax.proto; the three
-methods are declared here instead of in a generated `_pb2_grpc` module)."""
+"""The `fr_jax.Learner` and `fr_jax.Shards` services' method tables, and the server
+registration and client stubs built from them (the messages come from `fr_jax_pb2`, generated
+from fr_jax.proto; the methods are declared here instead of in a generated `_pb2_grpc`
+module)."""
 
 from __future__ import annotations
 
@@ -15,17 +16,21 @@ METHODS = {
     "PushTrajectories": ("stream_stream", pb.Trajectory, pb.PushAck),
     "GetWeights": ("unary_stream", pb.WeightsRequest, pb.WeightsChunk),
     "Heartbeat": ("unary_unary", pb.WorkerStats, pb.LearnerStats),
+    "GetManifest": ("unary_unary", pb.ManifestRequest, pb.ManifestReply),
 }
+SHARDS = "fr_jax.Shards"  # every learner process's, and a relay's for its peers
+SHARD_METHODS = {"GetShards": ("unary_stream", pb.ShardsRequest, pb.WeightsChunk)}
+_KINDS = {name: kind for name, (kind, _, _) in {**METHODS, **SHARD_METHODS}.items()}
 
 
-def add_to_server(servicer, server) -> None:
-  """Registers `servicer`'s methods (one per METHODS entry) on a grpc.Server."""
+def add_to_server(servicer, server, service: str = SERVICE, methods: dict = METHODS) -> None:
+  """Registers `servicer`'s methods (one per `methods` entry) on a grpc.Server."""
   handlers = {
       name: getattr(grpc, f"{kind}_rpc_method_handler")(
           getattr(servicer, name), request_deserializer=req.FromString,
           response_serializer=resp.SerializeToString)
-      for name, (kind, req, resp) in METHODS.items()}
-  server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+      for name, (kind, req, resp) in methods.items()}
+  server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
 
 
 def fields(message, skip: tuple = ()) -> dict:
@@ -36,14 +41,16 @@ def fields(message, skip: tuple = ()) -> dict:
 
 def method_kind(full_method: str) -> str:
   """'/fr_jax.Learner/GetWeights' -> 'unary_stream' (None-safe for unknown methods)."""
-  return METHODS.get(full_method.rsplit("/", 1)[-1], ("unary_unary",))[0]
+  return _KINDS.get(full_method.rsplit("/", 1)[-1], "unary_unary")
 
 
 class Stub:
-  """Client callables, one attribute per method."""
+  """Client callables, one attribute per method (of both services: a channel to a learner
+  process reaches either)."""
 
   def __init__(self, channel: grpc.Channel):
-    for name, (kind, req, resp) in METHODS.items():
-      setattr(self, name, getattr(channel, kind)(
-          f"/{SERVICE}/{name}", request_serializer=req.SerializeToString,
-          response_deserializer=resp.FromString))
+    for service, methods in ((SERVICE, METHODS), (SHARDS, SHARD_METHODS)):
+      for name, (kind, req, resp) in methods.items():
+        setattr(self, name, getattr(channel, kind)(
+            f"/{service}/{name}", request_serializer=req.SerializeToString,
+            response_deserializer=resp.FromString))

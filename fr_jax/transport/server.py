@@ -13,6 +13,10 @@ Message sizes are capped at `codec.MAX_MESSAGE_BYTES`.
 
 Weights: `GetWeights` streams the published version in chunks, each tensor's last chunk with
 the CRC-32 of the whole tensor; the host copy and the checksums are made once per version.
+A learner whose service has `shards` (a `transport.shards.ShardHost`) also answers weight
+relays' `GetManifest` and serves its pieces (`GetShards`, the `fr_jax.Shards` service);
+`serve_shards` is that service alone, for the other learner processes and for relays that
+serve their peers.
 """
 
 from __future__ import annotations
@@ -133,6 +137,10 @@ class _Servicer:
     if got is None:
       return
     v, params = got
+    if params is None:
+      context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                    "this multi-process learner publishes its weights as shards only (weight "
+                    "relays fetch them); an embedded-engine worker needs a one-process learner")
     with self._weights_lock:  # one host copy and one checksum pass per version, for all
       if self._weights_cache[0] != v:
         flat = {k: np.asarray(a) for k, a in codec.flatten(params).items()}
@@ -140,7 +148,28 @@ class _Servicer:
       v, flat, crcs = self._weights_cache
     yield from codec.weight_chunks(v, flat, hf_dir=self.service.hf_dir, crcs=crcs)
 
+  def GetManifest(self, request, context):
+    host = getattr(self.service, "shards", None)
+    if host is None:
+      context.abort(grpc.StatusCode.UNIMPLEMENTED, "this learner does not serve shards")
+    v = host.newest
+    manifest = host.manifest(v) if v >= request.min_version else None
+    if manifest is None:
+      return pb.ManifestReply(version=-1)
+    parent = host.fanout.parent(request.worker_id, request.serve_address, v)
+    return pb.ManifestReply(version=v, manifest=manifest.to_json(), hosts=host.hosts,
+                            parent=parent)
+
+  def GetShards(self, request, context):
+    host = getattr(self.service, "shards", None)
+    if host is None:
+      context.abort(grpc.StatusCode.UNIMPLEMENTED, "this learner does not serve shards")
+    yield from host.serve(request, context)
+
   def Heartbeat(self, request, context):
+    host = getattr(self.service, "shards", None)
+    if host is not None:
+      host.fanout.seen(request.worker_id)
     stats = rpc.fields(request, skip=("worker_id",))
     r = self.service.heartbeat(request.worker_id, stats)  # the LearnerStats fields but stats_json
     return pb.LearnerStats(**r, stats_json=json.dumps(self.service.system_metrics()))
@@ -170,27 +199,54 @@ def check_credentials(address: str, *, token: str = "", tls_cert: str = "", tls_
                                      root_certificates=ca, require_client_auth=ca is not None)
 
 
-def serve(service, address: str = "127.0.0.1:0", *, token: str = "", tls_cert: str = "",
-          tls_key: str = "", tls_client_ca: str = "", max_streams: int = 1024,
-          unary_threads: int = UNARY_THREADS):
-  """Starts the server; returns (server, bound port). Port 0 picks a free one."""
+def _start(register, address: str, what: str, *, token: str = "", tls_cert: str = "",
+           tls_key: str = "", tls_client_ca: str = "", threads: int = UNARY_THREADS):
   creds = check_credentials(address, token=token, tls_cert=tls_cert, tls_key=tls_key,
                             tls_client_ca=tls_client_ca)
   interceptors = [_TokenAuth(token)] if token else []
-  server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_streams + unary_threads,
+  server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads,
                                                   thread_name_prefix="grpc"),
                        options=CHANNEL_OPTIONS, interceptors=interceptors)
-  servicer = _Servicer(service, max_streams)
-  rpc.add_to_server(servicer, server)
-  server.fr_jax_servicer = servicer  # open_streams() reads it
+  register(server)
   port = (server.add_secure_port(address, creds) if creds is not None
           else server.add_insecure_port(address))
   if port == 0:
     raise BindError(f"could not bind {address!r}")
   server.start()
-  log.info("learner service on %s (port %d)%s%s", address, port,
-           " with token" if token else "", " with mutual TLS" if tls_client_ca else "")
+  log.info("%s on %s (port %d)%s%s", what, address, port, " with token" if token else "",
+           " with mutual TLS" if tls_client_ca else "")
   return server, port
+
+
+def serve(service, address: str = "127.0.0.1:0", *, max_streams: int = 1024,
+          unary_threads: int = UNARY_THREADS, **credentials):
+  """Starts the server; returns (server, bound port). Port 0 picks a free one.
+  `credentials`: token, tls_cert, tls_key, tls_client_ca (`check_credentials`)."""
+  servicer = _Servicer(service, max_streams)
+
+  def register(server):
+    rpc.add_to_server(servicer, server)
+    rpc.add_to_server(servicer, server, rpc.SHARDS, rpc.SHARD_METHODS)
+    server.fr_jax_servicer = servicer  # open_streams() reads it
+
+  return _start(register, address, "learner service", threads=max_streams + unary_threads,
+                **credentials)
+
+
+class _ShardsServicer:
+  def __init__(self, source):
+    self.source = source
+
+  def GetShards(self, request, context):
+    yield from self.source.serve(request, context)
+
+
+def serve_shards(source, address: str = "127.0.0.1:0", **credentials):
+  """The `fr_jax.Shards` service alone over `source` (anything with `serve(request,
+  context)`: a ShardHost, a relay); returns (server, bound port)."""
+  return _start(lambda server: rpc.add_to_server(_ShardsServicer(source), server, rpc.SHARDS,
+                                                 rpc.SHARD_METHODS),
+                address, "shard service", **credentials)
 
 
 def open_streams(server) -> int:

@@ -1,0 +1,427 @@
+"""Weights at fleet speed: every learner process serves its own shards, in the servers' dtype,
+as deltas where they are small, and weight relays feed each other.
+
+* **Hosts.** Each learner process keeps the pieces it holds of the last `keep` published
+  versions (`ShardHost.put`: blocks of HF tensors in the wire dtype, taken from its own
+  addressable shards by `fr_jax.models.hf_shards.local_pieces`; nothing is gathered) and
+  serves them (`GetShards`, the `fr_jax.Shards` service). Each piece travels as byte-range
+  chunks, its last chunk carrying the CRC-32 of the piece's bytes.
+* **Deltas.** A relay that holds version b asks for version v with `base_version=b`; a host
+  that still holds b sends each piece as the zstd-compressed XOR of its bytes with b's
+  (`delta_frame`, made once per (v, b, piece) and shared by every asker), or its plain bytes
+  where that is not at least `max_delta_ratio` smaller. The receiver XORs the decompressed
+  stream into b's bytes and checks the CRC-32 of the result: a reconstructed piece is bit-equal
+  to the host's or refused.
+* **Relays.** A relay writes the pieces straight into the safetensors file of the version
+  (`VersionFile`: the header from the manifest, each piece `pwrite` where it belongs; no second
+  copy of the model in memory), from its sources in order (`fetch`): first its parent (a relay
+  that holds or is fetching the version, named by the learner), then the learner hosts, all
+  in parallel, each for the pieces still missing. A relay that holds a version, whole or in
+  part, serves it to other relays (`VersionFile.serve`: a piece is sent once it is written and
+  checked; the frames it received as deltas are forwarded as they came).
+* **The tree.** Process 0 answers each relay's `GetManifest` with the version, its manifest,
+  the hosts and a parent (`Fanout`): the first `root` relays of a version fetch from the
+  hosts, each later one from the earliest relay of that version with fewer than `fanout`
+  children (breadth first). The hosts then send each version about `root` times whatever the
+  fleet's size, and every relay at most `fanout` times; docs/scale.md has the arithmetic.
+
+Faults: a source that dies, cuts its stream or sends a damaged, mixed-version or unexpected
+chunk is dropped for this fetch with a named reason (`codec.WeightsError`), and the pieces it
+did not deliver come from the next source. A version becomes visible to its server only whole
+(every piece checked; `durable.write_version`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import dataclasses
+import logging
+import os
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from fr_jax.models.hf_shards import Manifest
+from fr_jax.transport import codec
+from fr_jax.transport import fr_jax_pb2 as pb
+
+log = logging.getLogger("fr_jax.shards")
+
+
+def _bytes(a: np.ndarray) -> memoryview:
+  return memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+
+
+def _xor(a, b) -> bytes:
+  return np.bitwise_xor(np.frombuffer(a, np.uint8), np.frombuffer(b, np.uint8)).tobytes()
+
+
+def piece_chunks(version: int, manifest: Manifest, i: int, data, crc: int,
+                 base: int | None = None,
+                 chunk_bytes: int = codec.CHUNK_BYTES) -> Iterator[pb.WeightsChunk]:
+  """Piece i as chunks: its bytes, or with `base` its delta frame (`data`); the last chunk
+  carries `crc`, the CRC-32 of the piece's own bytes."""
+  p = manifest.pieces[i]
+  total = len(data)
+  for off in range(0, max(total, 1), chunk_bytes):
+    last = off + chunk_bytes >= total
+    yield pb.WeightsChunk(version=version, name=p.tensor, dtype=manifest.dtype,
+                          shape=list(p.shape), offset=off, total_bytes=total,
+                          data=bytes(data[off:off + chunk_bytes]), piece=i,
+                          crc32=crc if last else None, base_version=base)
+
+
+class _Once:
+  """Values computed once per key, by the first asker; later askers wait for it."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._done: dict = {}
+
+  def get(self, key, make: Callable):
+    with self._lock:
+      slot = self._done.get(key)
+      mine = slot is None
+      if mine:
+        slot = self._done[key] = [threading.Event(), None]
+    if mine:
+      try:
+        slot[1] = make()
+      finally:
+        slot[0].set()
+    slot[0].wait()
+    return slot[1]
+
+  def drop(self, keep: Callable) -> None:
+    with self._lock:
+      for k in [k for k in self._done if not keep(k)]:
+        del self._done[k]
+
+
+class ShardHost:
+  """One learner process's pieces of the last `keep` published versions, served by version
+  (`serve`). On process 0 it also answers manifests: `hosts` (every process's shard server,
+  "" for process 0's own, which relays reach at the learner's address) and `fanout`."""
+
+  def __init__(self, dtype: str = "bfloat16", *, keep: int = 2, delta_level: int = 1,
+               max_delta_ratio: float = 0.5, root: int = 2, fanout: int = 2):
+    if keep < 2:
+      raise ValueError(f"keep={keep}: a delta needs the previous version too")
+    self.dtype, self.keep = dtype, keep
+    self.delta_level, self.max_delta_ratio = delta_level, max_delta_ratio
+    self.hosts: list[str] = [""]
+    self.fanout = Fanout(root, fanout)
+    self._lock = threading.Lock()
+    # version -> (manifest, {piece: (its bytes, their CRC-32)})
+    self._held: collections.OrderedDict = collections.OrderedDict()
+    self._frames = _Once()
+    self.sent_bytes = 0  # egress: chunk payload bytes sent
+    self.sent = collections.Counter()  # by encoding: "plain", "delta"
+
+  @property
+  def newest(self) -> int:
+    with self._lock:
+      return next(reversed(self._held), -1)
+
+  def manifest(self, version: int) -> Manifest | None:
+    with self._lock:
+      held = self._held.get(version)
+    return None if held is None else held[0]
+
+  def put(self, version: int, manifest: Manifest, pieces: dict[int, np.ndarray]) -> None:
+    """This process's pieces of `version` (in the manifest's dtype), CRCs computed now."""
+    if manifest.dtype != self.dtype:
+      raise ValueError(f"pieces in {manifest.dtype}, this host serves {self.dtype}")
+    held = {i: (_bytes(a), zlib.crc32(_bytes(a))) for i, a in pieces.items()}
+    with self._lock:
+      for v in [v for v in self._held if v >= version]:  # a restored learner went back
+        del self._held[v]
+      self._held[version] = (manifest, held)
+      while len(self._held) > self.keep:
+        self._held.popitem(last=False)
+      kept = set(self._held)
+    self._frames.drop(lambda k: k[0] in kept and k[1] in kept)
+
+  def delta_frame(self, version: int, base: int, i: int) -> bytes | None:
+    """The zstd-compressed XOR of piece i's bytes in `version` with `base`'s, made once; None
+    where the base is gone, its manifest differs or the frame would not save enough."""
+    def make():
+      import zstandard
+      with self._lock:
+        new, old = self._held.get(version), self._held.get(base)
+      if new is None or old is None or new[0] != old[0]:
+        return None
+      a, b = new[1][i][0], old[1][i][0]
+      frame = zstandard.ZstdCompressor(level=self.delta_level).compress(_xor(a, b))
+      return frame if len(frame) <= self.max_delta_ratio * len(a) else None
+    return self._frames.get((version, base, i), make)
+
+  def serve(self, request: pb.ShardsRequest, context) -> Iterator[pb.WeightsChunk]:
+    v = request.version
+    with self._lock:
+      held = self._held.get(v)
+    if held is None:
+      context.abort(grpc.StatusCode.NOT_FOUND, f"version {v} is not held here (newest: "
+                    f"{self.newest})")
+    manifest, pieces = held
+    base = request.base_version if request.HasField("base_version") else None
+    for i in request.pieces:
+      if i not in pieces:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"piece {i} is not served here")
+      data, crc = pieces[i]
+      frame = None if base is None else self.delta_frame(v, base, i)
+      self.sent["plain" if frame is None else "delta"] += 1
+      for c in piece_chunks(v, manifest, i, data if frame is None else frame, crc,
+                            None if frame is None else base):
+        self.sent_bytes += len(c.data)
+        yield c
+
+
+class Fanout:
+  """Which source each relay fetches a version from: the hosts for the first `root` relays,
+  then the earliest relay of the version (breadth first) with fewer than `fanout` children
+  that was heard from in the last `alive_s` seconds."""
+
+  def __init__(self, root: int = 2, fanout: int = 2, alive_s: float = 60.0, keep: int = 4):
+    self.root, self.fanout, self.alive_s, self.keep = root, fanout, alive_s, keep
+    self._lock = threading.Lock()
+    self._seen: dict[str, tuple[str, float]] = {}  # relay -> (its address, when)
+    self._versions: collections.OrderedDict = collections.OrderedDict()  # v -> {relay: parent}
+
+  def seen(self, relay: str, address: str | None = None) -> None:
+    with self._lock:
+      old = self._seen.get(relay, ("", 0.0))[0]
+      self._seen[relay] = (old if address is None else address, time.monotonic())
+
+  def parent(self, relay: str, address: str, version: int) -> str:
+    """The address `relay` fetches `version` from first ("": the hosts)."""
+    self.seen(relay, address)
+    with self._lock:
+      tree = self._versions.setdefault(version, {})
+      while len(self._versions) > self.keep:
+        self._versions.popitem(last=False)
+      if relay in tree:
+        return tree[relay]
+      children = collections.Counter(tree.values())
+      parent = ""
+      if children[""] >= self.root:
+        now = time.monotonic()
+        for r in tree:  # in the order they came: breadth first
+          addr, when = self._seen.get(r, ("", 0.0))
+          if addr and r != relay and now - when < self.alive_s and \
+              children[addr] < self.fanout:
+            parent = addr
+            break
+      tree[relay] = parent
+      return parent
+
+
+class VersionFile:
+  """One version's safetensors file as a relay writes it: header first, size preallocated,
+  every piece written where it belongs as its chunks arrive, and readable by peers piece by
+  piece once checked (`done`)."""
+
+  def __init__(self, path, manifest: Manifest, version: int):
+    self.path, self.manifest, self.version = Path(path), manifest, version
+    header = manifest.header()
+    self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.pwrite(self.fd, header, 0)
+    os.ftruncate(self.fd, len(header) + manifest.nbytes)
+    n = len(manifest.pieces)
+    self._runs = [manifest.runs(i, len(header)) for i in range(n)]
+    self._starts = [[r[1] for r in runs] for runs in self._runs]
+    self.done = [threading.Event() for _ in range(n)]
+    self.crcs: list[int | None] = [None] * n
+    self.frames: dict[int, tuple[int, bytes]] = {}  # piece -> (base, the delta frame received)
+    self.failed = threading.Event()  # the fetch gave up: peers reading it stop
+    self.received = collections.Counter()  # wire bytes by source
+    self.sent_bytes = 0
+
+  def missing(self) -> list[int]:
+    return [i for i, e in enumerate(self.done) if not e.is_set()]
+
+  def _io(self, i: int, off: int, n: int):
+    """(file offset, start, length) runs of bytes [off, off + n) of piece i."""
+    runs, starts = self._runs[i], self._starts[i]
+    k = bisect.bisect_right(starts, off) - 1
+    end = off + n
+    while off < end:
+      f, s, length = runs[k]
+      take = min(end, s + length) - off
+      yield f + off - s, off, take
+      off += take
+      k += 1
+
+  def write(self, i: int, off: int, data) -> None:
+    mv = memoryview(data)
+    for f, o, n in self._io(i, off, len(mv)):
+      os.pwrite(self.fd, mv[o - off:o - off + n], f)
+
+  def read(self, i: int, off: int = 0, n: int | None = None) -> bytes:
+    n = self.manifest.piece_bytes(i) - off if n is None else n
+    return b"".join(os.pread(self.fd, k, f) for f, _, k in self._io(i, off, n))
+
+  def close(self) -> None:
+    try:
+      os.close(self.fd)
+    except OSError:
+      pass
+
+  def serve(self, request: pb.ShardsRequest, context) -> Iterator[pb.WeightsChunk]:
+    """The pieces asked for, each once it is written and checked (waiting for it while the
+    fetch goes on); a delta frame received against the asker's base is forwarded as is."""
+    base = request.base_version if request.HasField("base_version") else None
+    for i in request.pieces:
+      if not 0 <= i < len(self.done):
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"no piece {i}")
+      while not self.done[i].wait(0.2):
+        if self.failed.is_set() or not context.is_active():
+          context.abort(grpc.StatusCode.UNAVAILABLE, f"version {self.version}: this relay's "
+                        "fetch failed")
+      frame = self.frames.get(i)
+      if frame is not None and frame[0] == base:
+        chunks = piece_chunks(self.version, self.manifest, i, frame[1], self.crcs[i], base)
+      else:
+        chunks = piece_chunks(self.version, self.manifest, i, self.read(i), self.crcs[i])
+      for c in chunks:
+        self.sent_bytes += len(c.data)
+        yield c
+
+
+class _Receiving:
+  """One piece arriving: its running offset, the CRC of its bytes so far, and for a delta
+  the decompressor and the frame's bytes (kept to forward)."""
+
+  __slots__ = ("at", "out", "crc", "dec", "frame")
+
+  def __init__(self, delta: bool):
+    import zstandard
+    self.at = self.out = self.crc = 0
+    self.dec = zstandard.ZstdDecompressor().decompressobj() if delta else None
+    self.frame: list[bytes] | None = [] if delta else None
+
+
+def receive(vf: VersionFile, chunks, want: set[int], base: VersionFile | None,
+            source: str) -> None:
+  """Writes the pieces of `want` that `chunks` brings into `vf`, each checked against its
+  CRC-32 (deltas applied to `base`); removes each from `want` when done. Raises
+  codec.WeightsError naming what is wrong with the stream."""
+  m, states = vf.manifest, {}
+  for c in chunks:
+    i = c.piece
+    if c.version != vf.version:
+      raise codec.WeightsError("mixed_versions", f"{source} sent version {c.version} for "
+                               f"{vf.version}")
+    if i not in want or not 0 <= i < len(m.pieces):
+      raise codec.WeightsError("bad_chunk", f"{source} sent piece {i}, not asked for")
+    p, size = m.pieces[i], m.piece_bytes(i)
+    if (c.name, c.dtype, tuple(c.shape)) != (p.tensor, m.dtype, p.shape):
+      raise codec.WeightsError("bad_chunk", f"{source}: piece {i} is {c.name} {c.dtype} "
+                               f"{tuple(c.shape)}, the manifest says {p.tensor} {m.dtype} "
+                               f"{p.shape}")
+    delta = c.HasField("base_version")
+    if delta and (base is None or c.base_version != base.version):
+      raise codec.WeightsError("bad_chunk", f"{source}: a delta against version "
+                               f"{c.base_version}, which this relay does not hold")
+    s = states.get(i)
+    if s is None:
+      s = states[i] = _Receiving(delta)
+    if c.offset != s.at or (s.dec is not None) != delta or (
+        not delta and c.total_bytes != size):
+      raise codec.WeightsError("bad_chunk", f"{source}: piece {i} chunk at {c.offset} of "
+                               f"{c.total_bytes}, expected {s.at}")
+    s.at += len(c.data)
+    if delta:
+      s.frame.append(c.data)
+      try:
+        out = s.dec.decompress(c.data)
+      except Exception as e:  # zstandard.ZstdError: a damaged frame
+        raise codec.WeightsError("checksum_mismatch", f"{source}: piece {i}: {e}") from None
+      if s.out + len(out) > size:
+        raise codec.WeightsError("bad_chunk", f"{source}: piece {i}'s delta is too long")
+      out = _xor(out, base.read(i, s.out, len(out)))
+    else:
+      out = c.data
+      if s.at > size:
+        raise codec.WeightsError("bad_chunk", f"{source}: piece {i} overruns its {size} bytes")
+    vf.write(i, s.out, out)
+    s.crc = zlib.crc32(out, s.crc)
+    s.out += len(out)
+    vf.received[source] += len(c.data)
+    if c.HasField("crc32"):  # the piece's last chunk
+      if s.out != size:
+        raise codec.WeightsError("incomplete", f"{source}: piece {i} ended at {s.out} of "
+                                 f"{size} bytes")
+      if s.crc != c.crc32:
+        raise codec.WeightsError("checksum_mismatch", f"{source}: piece {i} ({p.tensor}) "
+                                 f"CRC-32 {s.crc:08x}, the sender's {c.crc32:08x}")
+      vf.crcs[i] = s.crc
+      if delta:
+        vf.frames[i] = (base.version, b"".join(s.frame))
+      vf.done[i].set()
+      want.discard(i)
+      del states[i]
+
+
+@dataclasses.dataclass
+class Source:
+  """Where pieces come from: one relay (`address`), or the learner hosts (`hosts`: the
+  address of each process's shard server by process index)."""
+  name: str
+  address: str = ""
+  hosts: tuple[str, ...] = ()
+
+
+def fetch(vf: VersionFile, sources: list[Source], open_stream: Callable, *,
+          base: VersionFile | None = None, stop: threading.Event | None = None) -> dict:
+  """Fills `vf` from `sources` in order, each asked only for the pieces still missing (the
+  hosts all at once, one stream each). `open_stream(address, version, pieces, base_version)`
+  returns a chunk iterator (grpc errors for a dead source). Returns {"failures": {reason:
+  n}, "sources": [names used]}; raises codec.WeightsError("incomplete") if pieces remain
+  missing after the last source."""
+  failures: collections.Counter = collections.Counter()
+  used = []
+  bv = None if base is None else base.version
+
+  def one(address: str, name: str, pieces: list[int]) -> None:
+    want = set(pieces)
+    try:
+      receive(vf, open_stream(address, vf.version, pieces, bv), want, base, name)
+      if want:
+        raise codec.WeightsError("incomplete", f"{name} ended without pieces {sorted(want)[:3]}")
+    except codec.WeightsError as e:
+      failures[e.reason] += 1
+      log.warning("shards from %s: %s", name, e)
+    except grpc.RpcError as e:
+      failures["stream_cut" if len(want) < len(pieces) else "unreachable"] += 1
+      log.warning("shards from %s cut after %d of %d pieces: %s %s", name,
+                  len(pieces) - len(want), len(pieces), e.code(), e.details())
+
+  for src in sources:
+    missing = vf.missing()
+    if not missing or (stop is not None and stop.is_set()):
+      break
+    used.append(src.name)
+    if src.hosts:
+      by_host = collections.defaultdict(list)
+      for i in missing:
+        by_host[vf.manifest.pieces[i].host].append(i)
+      threads = [threading.Thread(target=one, args=(src.hosts[h], f"host {h}", ids),
+                                  daemon=True) for h, ids in sorted(by_host.items())]
+      for t in threads:
+        t.start()
+      for t in threads:
+        t.join()
+    else:
+      one(src.address, src.name, missing)
+  missing = vf.missing()
+  if missing:
+    raise codec.WeightsError("incomplete", f"version {vf.version}: {len(missing)} pieces "
+                             f"missing after {used} ({dict(failures)})")
+  return {"failures": dict(failures), "sources": used}

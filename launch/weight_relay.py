@@ -64,6 +64,8 @@ flags.DEFINE_string("advertise", "", "the address other relays reach --serve_add
                     "port)")
 flags.DEFINE_string("serve_tls_cert", "", "PEM certificate for --serve_address (TLS fleets)")
 flags.DEFINE_string("serve_tls_key", "", "PEM key for --serve_address")
+flags.DEFINE_integer("streams", 1, "shards: parallel streams from each source (more use more "
+                     "of this host's cores)")
 flags.DEFINE_enum("fetch", "auto", ["auto", "shards", "whole"], "shards from every learner "
                   "process (auto: if the learner serves them), or whole weights from process 0")
 FLAGS = flags.FLAGS
@@ -91,6 +93,8 @@ def check_flags():
     common.fail(f"--keep={FLAGS.keep}: keep at least 1 version (the one the server loaded)")
   if FLAGS.max_versions < 0:
     common.fail(f"--max_versions={FLAGS.max_versions}: 0 (no limit) or more")
+  if FLAGS.streams < 1:
+    common.fail(f"--streams={FLAGS.streams}: at least 1")
   if FLAGS.fetch_timeout_s <= 0:
     common.fail(f"--fetch_timeout_s={FLAGS.fetch_timeout_s:g}: must be positive")
   common.check_client_tls(FLAGS)
@@ -119,7 +123,7 @@ def main(argv):
   server = SGLangEngine(FLAGS.sglang, api_key=key or None, max_concurrency=1)
   use_shards = {"auto": None, "shards": True, "whole": False}[FLAGS.fetch]
   r = relay.Relay(client, server.update_weights, FLAGS.dir, cfg, tokenizer_files,
-                  use_shards=use_shards,
+                  use_shards=use_shards, streams=FLAGS.streams,
                   server=FLAGS.sglang, keep=FLAGS.keep, poll_s=FLAGS.poll_s,
                   load_errors=(SGLangError,), fetch_timeout_s=FLAGS.fetch_timeout_s,
                   # retried: no answer (a load of the same path and version is idempotent)

@@ -124,6 +124,9 @@ def test_pieces_from_two_hosts_make_the_bf16_export_and_deltas_are_bit_exact(tmp
     assert got == {"failures": {}, "sources": ["hosts"]}
     assert_bit_equal(read_file(v1.path), reference(tmp_path, params, cfg))
     assert hosts.sent == m.nbytes  # the plain bytes, once
+    three = shards.VersionFile(tmp_path / "v1b.safetensors", m, 1)  # 3 streams per host
+    shards.fetch(three, src, open_stream(client), streams=3)
+    assert three.path.read_bytes() == v1.path.read_bytes()
     assert sum(v1.received.values()) == m.nbytes
 
     # Version 2 as deltas against version 1: a fraction of the bytes, the same result.
@@ -330,5 +333,48 @@ def test_a_relay_follows_a_learner_that_serves_shards(tmp_path, model):
       other.deliver(0, threading.Event())
   finally:
     stop.set()
+    client.close()
+    srv.stop(server, grace=0)
+
+
+def test_a_torn_or_mixed_fetch_never_reaches_the_server(tmp_path, model):
+  """A relay whose sources send a damaged piece or a piece of another version: nothing is
+  loaded and no version directory appears (only the learner's undamaged answer, later,
+  is delivered)."""
+  from fr_jax.transport import relay as relaylib
+  from tests.sglang_standin import PublishedWeights
+  cfg, params = model
+  service = PublishedWeights()
+  service.shards = shards.ShardHost("bfloat16")
+  arrays = sharded(params)
+  m = hf_shards.manifest_of(arrays, cfg, "bfloat16")
+  service.shards.put(1, m, hf_shards.local_pieces(arrays, cfg, m, 0))
+  service.publish(1, params)
+  server, port = srv.serve(service)
+  loads = []
+  client = WeightsClient(f"127.0.0.1:{port}", worker_id="relay@test")
+  r = relaylib.Relay(client, lambda path, v: loads.append(v), tmp_path / "relay", cfg,
+                     say=lambda _: None)
+  real = r._open_stream
+  try:
+    for damage in ("flip", "version"):
+      def bad(address, version, pieces, base, damage=damage):
+        for k, c in enumerate(real(address, version, pieces, base)):
+          if k == len(pieces) // 2:
+            c = pb.WeightsChunk.FromString(c.SerializeToString())
+            if damage == "flip":
+              c.data = c.data[:-1] + bytes([c.data[-1] ^ 0x10])
+            else:
+              c.version = 2
+          yield c
+      r._open_stream = bad
+      assert r.deliver(1, threading.Event()) is None
+      assert loads == [] and relaylib.versions_on_disk(tmp_path / "relay") == []
+      assert not list((tmp_path / "relay").iterdir())  # no partial directory left either
+    assert r.failures["incomplete"] == 2
+    assert r.failures["checksum_mismatch"] >= 1 and r.failures["mixed_versions"] >= 1
+    r._open_stream = real
+    assert r.deliver(1, threading.Event()).version == 1 and loads == [1]
+  finally:
     client.close()
     srv.stop(server, grace=0)

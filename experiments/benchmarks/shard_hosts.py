@@ -13,9 +13,11 @@ also serves the learner's gRPC service (heartbeats with the version and `GetMani
 stand-in `tests.sglang_standin.PublishedWeights` with shards), and learns the other's address
 through the coordinator (`Group.put_signed`). Commands on stdin, one per line:
 
-  publish V negate|sparse   make version V from the current weights (negated: every byte
-                            changes; sparse: 0.7% of the elements move, as between two
-                            versions of the demo run) and publish it
+  publish V dense|sparse    make version V from the current weights and publish it. dense:
+                            every element's low 7 mantissa bits change at random (a delta
+                            cannot help); sparse: 0.7% of the elements move by one unit in
+                            the last place, the rate measured between two versions of the
+                            demo run (experiments/benchmarks/weight_delta.py)
   stats                     print {"sent_bytes": ..., "sent": ...} (this host's egress)
   quit
 
@@ -32,7 +34,8 @@ def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--params_dir", required=True)
   p.add_argument("--model", required=True)
-  p.add_argument("--dtype", default="bfloat16")
+  p.add_argument("--dtype", default="bfloat16", help="the parameters' dtype")
+  p.add_argument("--wire_dtype", default="bfloat16", help="the servers' (service.wire_dtype)")
   p.add_argument("--num_processes", type=int, default=2)
   p.add_argument("--process_id", type=int, required=True)
   p.add_argument("--coordinator", required=True)
@@ -55,21 +58,28 @@ def main():
                                  for i, n in enumerate(names)})
   mesh = meshlib.make_mesh(1, a.num_processes)
   params = meshlib.put(host_params, meshlib.params_sharding(host_params, mesh))
-  manifest = hf_shards.manifest_of(params, cfg, a.dtype)
-  host = shards.ShardHost(a.dtype)
+  manifest = hf_shards.manifest_of(params, cfg, a.wire_dtype)
+  host = shards.ShardHost(a.wire_dtype)
   rng = np.random.default_rng(a.process_id)
+  noise = rng.integers(0, 128, 1 << 25, dtype=np.uint16)  # 64 MB: beyond zstd's window
   pieces = hf_shards.local_pieces(params, cfg, manifest, a.process_id)
   del params, host_params  # the pieces are this process's copy from here on
   host.put(1, manifest, pieces)
 
   def publish(v: int, how: str) -> None:
     nonlocal pieces
-    if how == "negate":
-      pieces = {i: np.negative(b) for i, b in pieces.items()}
-    else:  # 0.7% of the elements moved by one unit in the last place
-      pieces = {i: b.copy() for i, b in pieces.items()}
-      for b in pieces.values():
-        flat = b.reshape(-1).view(np.uint16)
+    pieces = {i: b.copy() for i, b in pieces.items()}
+    at = v * 7919  # where in the noise this version starts
+    for b in pieces.values():
+      flat = b.reshape(-1).view(np.uint16)
+      if how == "dense":  # the noise, cyclically from `at`
+        k = 0
+        while k < flat.size:
+          start = at % noise.size
+          n = min(flat.size - k, noise.size - start)
+          flat[k:k + n] ^= noise[start:start + n]
+          k, at = k + n, at + n
+      else:
         idx = rng.choice(flat.size, max(1, flat.size * 7 // 1000), replace=False)
         flat[idx] ^= 1
     host.put(v, manifest, pieces)

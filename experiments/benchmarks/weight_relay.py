@@ -54,11 +54,14 @@ flags.DEFINE_list("designs", ["whole", "shards"], "whole: every relay fetches th
                   "each process serving its own shards, relays feeding relays")
 flags.DEFINE_list("relays", ["4", "2"], "relays (each with its own server) per case, in the "
                   "order of --cases")
-flags.DEFINE_enum("update", "negate", ["negate", "sparse"], "how each version differs: every "
-                  "byte (negate: deltas cannot help) or 0.7% of the elements (sparse: the "
-                  "demo run's measured rate, docs/scale.md)")
+flags.DEFINE_enum("update", "dense", ["dense", "sparse"], "shards design: how each version "
+                  "differs: every element at random (dense: deltas cannot help) or 0.7% of "
+                  "the elements (sparse: the demo run's measured rate, docs/scale.md)")
 flags.DEFINE_float("poll_s", 0.2, "the relays' --poll_s")
 flags.DEFINE_string("dir", "", "where the relays write (default: a temporary directory)")
+flags.DEFINE_string("one", "", "internal: run only this MODEL:DTYPE,DESIGN,RELAYS case here (each "
+                    "case runs in a fresh process, so that one's memory does not crowd out the "
+                    "next)")
 FLAGS = flags.FLAGS
 
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
@@ -231,7 +234,7 @@ def run_case(model: str, dtype: str, out_root: Path, design: str, n_relays: int)
     service.publish(1, published)
     server, port = srv.serve(service)
   else:
-    hosts = ShardHosts(model, dtype, out_root / f"{tag}-published")
+    hosts = ShardHosts(model, dtype, out_root / f"{tag}-published")  # bf16 on the wire
     port = hosts.port
   rdirs = [out_root / f"{tag}-relay{k}" for k in range(n_relays)]
   t_pub = {1: time.time()}
@@ -248,7 +251,8 @@ def run_case(model: str, dtype: str, out_root: Path, design: str, n_relays: int)
   emit("settings", model=model, dtype=dtype, design=design, relays=n_relays,
        params=cfg.num_params, bytes=int(cfg.num_params * itemsize),
        wire_bytes=int(cfg.num_params * (itemsize if design == "whole" else 2)),
-       update=FLAGS.update if design == "shards" else "negate", versions=FLAGS.versions,
+       update=FLAGS.update if design == "shards" else "negate (in place)",
+       versions=FLAGS.versions,
        poll_s=FLAGS.poll_s, setup_s=round(setup_s, 1), mem_available_gb=round(avail, 1))
   rows, egress = [], {}
   sent0 = 0
@@ -350,6 +354,16 @@ def main(argv):
       f.write("1000")
   except OSError:
     pass
+  import shutil
+  if FLAGS.one:
+    case, design, n = FLAGS.one.split(",")
+    model, _, dtype = case.rpartition(":")
+    root = Path(FLAGS.dir)
+    try:
+      run_case(model, dtype, root, design, int(n))
+    finally:
+      shutil.rmtree(root, ignore_errors=True)  # this case's files
+    return
   emit("machine", **machine(), malloc_arena_max=os.environ.get("MALLOC_ARENA_MAX"),
        mem_total_gb=round(os.sysconf("SC_PAGE_SIZE")
                                                   * os.sysconf("SC_PHYS_PAGES") / 2**30, 1))
@@ -357,11 +371,13 @@ def main(argv):
   if len(FLAGS.relays) != len(FLAGS.cases):
     raise app.UsageError("--relays needs one count per --cases entry")
   for case, n in zip(FLAGS.cases, FLAGS.relays):
-    model, _, dtype = case.rpartition(":")
     for design in FLAGS.designs:
-      run_case(model, dtype, root, design, int(n))
+      # a fresh process per case: the last one's buffers and files are gone
+      subprocess.run([sys.executable, "-m", "experiments.benchmarks.weight_relay",
+                      f"--one={case},{design},{n}", f"--dir={root / f'{design}{n}'}",
+                      f"--versions={FLAGS.versions}", f"--poll_s={FLAGS.poll_s}",
+                      f"--update={FLAGS.update}"], check=True)
   if not FLAGS.dir:
-    import shutil
     shutil.rmtree(root, ignore_errors=True)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import json
 import math
 from collections.abc import Callable
@@ -95,6 +96,10 @@ class Manifest:
       raise ManifestError(f"the pieces of {short[:3]} do not add up to the tensors")
 
   # --- the safetensors file ---
+  @functools.cached_property
+  def _offsets(self) -> dict[str, tuple[int, int]]:
+    return self.data_offsets()
+
   def data_offsets(self) -> dict[str, tuple[int, int]]:
     out, at = {}, 0
     for name, shape in self.tensors.items():
@@ -120,7 +125,7 @@ class Manifest:
     p, w = self.pieces[i], self.itemsize
     shape = self.tensors[p.tensor]
     base = (len(self.header()) if header_bytes is None else header_bytes) + \
-        self.data_offsets()[p.tensor][0]
+        self._offsets[p.tensor][0]
     if not shape:
       return [(base, 0, w)]
     k = len(shape) - 1  # the last axis whose block is not whole, or 0

@@ -189,7 +189,7 @@ class Relay:
                backoff_min: float = 0.2, backoff_max: float = 5.0,
                fetch_timeout_s: float = 3600.0, max_fetch_attempts: int = 8,
                say: Callable[[str], None] = print, use_shards: bool | None = None,
-               serve_address: str = ""):
+               serve_address: str = "", streams: int = 1):
     if keep < 1:
       raise ValueError(f"keep={keep}: keep at least the version the server loaded")
     self.client, self.load, self.out_dir = client, load, Path(out_dir)
@@ -209,6 +209,7 @@ class Relay:
     self.failures: collections.Counter = collections.Counter()  # by reason
     self.use_shards = use_shards  # None: if the learner serves them
     self.serve_address = serve_address  # where peers reach this relay's `serve`
+    self.streams = streams  # parallel streams per source (shards)
     self.files: collections.OrderedDict = collections.OrderedDict()  # v -> VersionFile
     self._files_lock = threading.Lock()
     self.t_start = time.monotonic()
@@ -320,7 +321,8 @@ class Relay:
       vf = shards.VersionFile(d / "model.safetensors", manifest, v)
       with self._files_lock:
         self.files[v] = vf
-      stats = shards.fetch(vf, sources, self._open_stream, base=base, stop=stop)
+      stats = shards.fetch(vf, sources, self._open_stream, base=base, stop=stop,
+                           streams=self.streams)
       (d / "config.json").write_text(json.dumps(to_hf_config(cfg), indent=2))
       for name, text in (self.tokenizer_files or {}).items():
         (d / name).write_text(text)
@@ -331,7 +333,7 @@ class Relay:
     except (OSError, codec.WeightsError) as e:
       reason = e.reason if isinstance(e, codec.WeightsError) else "write_failed"
       self.failures[reason] += 1
-      for r, n in (stats or {}).get("failures", {}).items():
+      for r, n in getattr(e, "failures", {}).items():  # each source's reason
         self.failures[r] += n
       if vf is not None:
         vf.failed.set()

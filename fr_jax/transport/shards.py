@@ -8,10 +8,12 @@ as deltas where they are small, and weight relays feed each other.
   chunks, its last chunk carrying the CRC-32 of the piece's bytes.
 * **Deltas.** A relay that holds version b asks for version v with `base_version=b`; a host
   that still holds b sends each piece as the zstd-compressed XOR of its bytes with b's
-  (`delta_frame`, made once per (v, b, piece) and shared by every asker), or its plain bytes
-  where that is not at least `max_delta_ratio` smaller. The receiver XORs the decompressed
-  stream into b's bytes and checks the CRC-32 of the result: a reconstructed piece is bit-equal
-  to the host's or refused.
+  (`delta_frame`, made once per (v, b, piece) and shared by every asker; against the previous
+  version they are made in the background as soon as v is published), or its plain bytes
+  where that is not at least `max_delta_ratio` smaller (judged once per version from a
+  sample, `deltas_worth_it`: a version where every element moved costs no compression). The
+  receiver XORs the decompressed stream into b's bytes and checks the CRC-32 of the result: a
+  reconstructed piece is bit-equal to the host's or refused.
 * **Relays.** A relay writes the pieces straight into the safetensors file of the version
   (`VersionFile`: the header from the manifest, each piece `pwrite` where it belongs; no second
   copy of the model in memory), from its sources in order (`fetch`): first its parent (a relay
@@ -110,11 +112,13 @@ class ShardHost:
   "" for process 0's own, which relays reach at the learner's address) and `fanout`."""
 
   def __init__(self, dtype: str = "bfloat16", *, keep: int = 2, delta_level: int = 1,
-               max_delta_ratio: float = 0.5, root: int = 2, fanout: int = 2):
+               max_delta_ratio: float = 0.5, root: int = 2, fanout: int = 2,
+               precompute: bool = True):
     if keep < 2:
       raise ValueError(f"keep={keep}: a delta needs the previous version too")
     self.dtype, self.keep = dtype, keep
     self.delta_level, self.max_delta_ratio = delta_level, max_delta_ratio
+    self.precompute = precompute  # make the next version's deltas in the background
     self.hosts: list[str] = [""]
     self.fanout = Fanout(root, fanout)
     self._lock = threading.Lock()
@@ -142,22 +146,57 @@ class ShardHost:
     with self._lock:
       for v in [v for v in self._held if v >= version]:  # a restored learner went back
         del self._held[v]
+      previous = next(reversed(self._held), None)
       self._held[version] = (manifest, held)
       while len(self._held) > self.keep:
         self._held.popitem(last=False)
       kept = set(self._held)
     self._frames.drop(lambda k: k[0] in kept and k[1] in kept)
+    if previous is not None and self.precompute:  # the deltas relays will ask for, now
+      threading.Thread(target=self._precompute, args=(version, previous), daemon=True,
+                       name=f"deltas-v{version}").start()
+
+  def _precompute(self, version: int, base: int) -> None:
+    """Every piece's delta frame against `base`, in the order relays ask for them, while
+    the first relays' polls come in (a request for a frame not made yet makes it itself)."""
+    pair = self._pair(version, base)
+    if pair is None or not self.deltas_worth_it(version, base):
+      return
+    for i in sorted(pair[0]):
+      if self.newest != version:  # a newer version came: its deltas matter now
+        return
+      self.delta_frame(version, base, i)
+
+  def _pair(self, version: int, base: int):
+    with self._lock:
+      new, old = self._held.get(version), self._held.get(base)
+    return None if new is None or old is None or new[0] != old[0] else (new[1], old[1])
+
+  def deltas_worth_it(self, version: int, base: int, sample: int = 1 << 20) -> bool:
+    """Whether `version` against `base` compresses at least `max_delta_ratio`, judged once
+    from the first `sample` bytes of (up to) 8 of the largest pieces: a version whose every
+    element moved (a large step) costs no compression work per piece."""
+    def make():
+      import zstandard
+      pair = self._pair(version, base)
+      if pair is None:
+        return False
+      new, old = pair
+      big = sorted(new, key=lambda i: -len(new[i][0]))[:8]
+      raw = b"".join(_xor(new[i][0][:sample], old[i][0][:sample]) for i in big)
+      small = zstandard.ZstdCompressor(level=self.delta_level).compress(raw)
+      return len(small) <= self.max_delta_ratio * len(raw)
+    return self._frames.get((version, base, "worth"), make)
 
   def delta_frame(self, version: int, base: int, i: int) -> bytes | None:
     """The zstd-compressed XOR of piece i's bytes in `version` with `base`'s, made once; None
     where the base is gone, its manifest differs or the frame would not save enough."""
     def make():
       import zstandard
-      with self._lock:
-        new, old = self._held.get(version), self._held.get(base)
-      if new is None or old is None or new[0] != old[0]:
+      pair = self._pair(version, base) if self.deltas_worth_it(version, base) else None
+      if pair is None:
         return None
-      a, b = new[1][i][0], old[1][i][0]
+      a, b = pair[0][i][0], pair[1][i][0]
       frame = zstandard.ZstdCompressor(level=self.delta_level).compress(_xor(a, b))
       return frame if len(frame) <= self.max_delta_ratio * len(a) else None
     return self._frames.get((version, base, i), make)
@@ -345,7 +384,8 @@ def receive(vf: VersionFile, chunks, want: set[int], base: VersionFile | None,
         raise codec.WeightsError("checksum_mismatch", f"{source}: piece {i}: {e}") from None
       if s.out + len(out) > size:
         raise codec.WeightsError("bad_chunk", f"{source}: piece {i}'s delta is too long")
-      out = _xor(out, base.read(i, s.out, len(out)))
+      out = np.bitwise_xor(np.frombuffer(out, np.uint8),
+                           np.frombuffer(base.read(i, s.out, len(out)), np.uint8))
     else:
       out = c.data
       if s.at > size:
@@ -379,12 +419,14 @@ class Source:
 
 
 def fetch(vf: VersionFile, sources: list[Source], open_stream: Callable, *,
-          base: VersionFile | None = None, stop: threading.Event | None = None) -> dict:
-  """Fills `vf` from `sources` in order, each asked only for the pieces still missing (the
-  hosts all at once, one stream each). `open_stream(address, version, pieces, base_version)`
-  returns a chunk iterator (grpc errors for a dead source). Returns {"failures": {reason:
-  n}, "sources": [names used]}; raises codec.WeightsError("incomplete") if pieces remain
-  missing after the last source."""
+          base: VersionFile | None = None, stop: threading.Event | None = None,
+          streams: int = 1) -> dict:
+  """Fills `vf` from `sources` in order, each asked only for the pieces still missing: the
+  hosts all at once, `streams` streams each (the pieces dealt round-robin), a relay in
+  `streams` streams. `open_stream(address, version, pieces, base_version)` returns a chunk
+  iterator (grpc errors for a dead source). Returns {"failures": {reason: n}, "sources":
+  [names used]}; raises codec.WeightsError("incomplete") if pieces remain missing after the
+  last source (its `failures` attribute holds the per-source reasons)."""
   failures: collections.Counter = collections.Counter()
   used = []
   bv = None if base is None else base.version
@@ -408,20 +450,23 @@ def fetch(vf: VersionFile, sources: list[Source], open_stream: Callable, *,
     if not missing or (stop is not None and stop.is_set()):
       break
     used.append(src.name)
-    if src.hosts:
-      by_host = collections.defaultdict(list)
-      for i in missing:
-        by_host[vf.manifest.pieces[i].host].append(i)
-      threads = [threading.Thread(target=one, args=(src.hosts[h], f"host {h}", ids),
-                                  daemon=True) for h, ids in sorted(by_host.items())]
-      for t in threads:
-        t.start()
-      for t in threads:
-        t.join()
-    else:
-      one(src.address, src.name, missing)
+    groups = collections.defaultdict(list)  # (address, name) -> pieces, per stream
+    for k, i in enumerate(missing):
+      if src.hosts:
+        h = vf.manifest.pieces[i].host
+        groups[(src.hosts[h], f"host {h}", k % streams)].append(i)
+      else:
+        groups[(src.address, src.name, k % streams)].append(i)
+    threads = [threading.Thread(target=one, args=(address, name, ids), daemon=True)
+               for (address, name, _), ids in sorted(groups.items())]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join()
   missing = vf.missing()
   if missing:
-    raise codec.WeightsError("incomplete", f"version {vf.version}: {len(missing)} pieces "
+    err = codec.WeightsError("incomplete", f"version {vf.version}: {len(missing)} pieces "
                              f"missing after {used} ({dict(failures)})")
+    err.failures = dict(failures)  # each source's reason, for the caller's counts
+    raise err
   return {"failures": dict(failures), "sources": used}

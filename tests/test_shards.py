@@ -378,3 +378,27 @@ def test_a_torn_or_mixed_fetch_never_reaches_the_server(tmp_path, model):
   finally:
     client.close()
     srv.stop(server, grace=0)
+
+
+def test_a_full_disk_is_a_named_failure_not_a_dead_thread(tmp_path, model, monkeypatch):
+  """A write that fails mid-fetch (ENOSPC) is counted as `write_failed`; nothing is marked
+  done and no thread dies with the error."""
+  cfg, params = model
+  hosts = Hosts(cfg)
+  client = WeightsClient("127.0.0.1:1")
+  try:
+    hosts.publish(1, params)
+    vf = shards.VersionFile(tmp_path / "full.safetensors", hosts.manifest, 1)
+
+    def full(*a):
+      raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shards.os, "pwrite", full)
+    with pytest.raises(codec.WeightsError, match="incomplete") as e:
+      shards.fetch(vf, [shards.Source("hosts", hosts=tuple(hosts.addresses))],
+                   open_stream(client))
+    assert e.value.failures == {"write_failed": 2}  # one per host stream
+    assert len(vf.missing()) == len(hosts.manifest.pieces)
+  finally:
+    client.close()
+    hosts.close()

@@ -54,7 +54,9 @@ def main():
   group = multihost.Group()
   cfg = registry.shape_config(a.model.removeprefix("random:"), param_dtype=a.dtype)
   names = list(codec.flatten(decoder.param_shapes(cfg)))
-  host_params = codec.unflatten({n: np.load(f"{a.params_dir}/{i}.npy", mmap_mode="r")
+  from fr_jax.models.hf_io import _np_dtype
+  dt = _np_dtype(a.dtype)  # .npy stores bfloat16 as raw 2-byte records
+  host_params = codec.unflatten({n: np.load(f"{a.params_dir}/{i}.npy", mmap_mode="r").view(dt)
                                  for i, n in enumerate(names)})
   mesh = meshlib.make_mesh(1, a.num_processes)
   params = meshlib.put(host_params, meshlib.params_sharding(host_params, mesh))
@@ -80,7 +82,7 @@ def main():
           flat[k:k + n] ^= noise[start:start + n]
           k, at = k + n, at + n
       else:
-        idx = rng.choice(flat.size, max(1, flat.size * 7 // 1000), replace=False)
+        idx = rng.integers(0, flat.size, max(1, flat.size * 7 // 1000))  # (a repeat: a bit less)
         flat[idx] ^= 1
     host.put(v, manifest, pieces)
 

@@ -146,8 +146,10 @@ class ShardHosts:
         [sys.executable, "-m", "experiments.benchmarks.shard_hosts",
          f"--params_dir={params_dir}", f"--model={model}", f"--dtype={dtype}",
          "--num_processes=2", f"--process_id={i}", f"--coordinator=127.0.0.1:{coord}"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=open(params_dir.parent / f"shard_host{i}.log", "w"), text=True,
         env=dict(ENV, FR_JAX_LEARNER_SECRET="bench")) for i in range(2)]
+    self.logs = [params_dir.parent / f"shard_host{i}.log" for i in range(2)]
     line = self._line(0, "serving")
     self.port = int(line.split()[1])
 
@@ -155,7 +157,8 @@ class ShardHosts:
     while True:
       line = self.procs[k].stdout.readline()
       if not line:
-        raise RuntimeError(f"shard host {k} exited ({self.procs[k].poll()})")
+        raise RuntimeError(f"shard host {k} exited ({self.procs[k].poll()}): "
+                           + self.logs[k].read_text()[-3000:])
       if line.startswith(prefix):
         return line.strip()
 

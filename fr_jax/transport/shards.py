@@ -44,6 +44,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -113,12 +114,14 @@ class ShardHost:
 
   def __init__(self, dtype: str = "bfloat16", *, keep: int = 2, delta_level: int = 1,
                max_delta_ratio: float = 0.5, root: int = 2, fanout: int = 2,
-               precompute: bool = True):
+               precompute: bool = True, delta_threads: int = 0):
     if keep < 2:
       raise ValueError(f"keep={keep}: a delta needs the previous version too")
     self.dtype, self.keep = dtype, keep
     self.delta_level, self.max_delta_ratio = delta_level, max_delta_ratio
     self.precompute = precompute  # make the next version's deltas in the background
+    # threads making them (0: half this host's cores, at most 8)
+    self.delta_threads = delta_threads or max(1, min(8, (os.cpu_count() or 2) // 2))
     self.hosts: list[str] = [""]
     self.fanout = Fanout(root, fanout)
     self._lock = threading.Lock()
@@ -162,10 +165,13 @@ class ShardHost:
     pair = self._pair(version, base)
     if pair is None or not self.deltas_worth_it(version, base):
       return
-    for i in sorted(pair[0]):
-      if self.newest != version:  # a newer version came: its deltas matter now
-        return
-      self.delta_frame(version, base, i)
+
+    def one(i):
+      if self.newest == version:  # else a newer version came: its deltas matter now
+        self.delta_frame(version, base, i)
+
+    with futures.ThreadPoolExecutor(self.delta_threads, thread_name_prefix="delta") as pool:
+      list(pool.map(one, sorted(pair[0])))  # zstd and NumPy release the GIL
 
   def _pair(self, version: int, base: int):
     with self._lock:
@@ -444,6 +450,9 @@ def fetch(vf: VersionFile, sources: list[Source], open_stream: Callable, *,
       failures["stream_cut" if len(want) < len(pieces) else "unreachable"] += 1
       log.warning("shards from %s cut after %d of %d pieces: %s %s", name,
                   len(pieces) - len(want), len(pieces), e.code(), e.details())
+    except OSError as e:  # this side's file: a full disk, say
+      failures["write_failed"] += 1
+      log.warning("shards from %s: cannot write %s: %s", name, vf.path, e)
 
   for src in sources:
     missing = vf.missing()

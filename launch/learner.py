@@ -58,8 +58,9 @@ flags.DEFINE_integer("num_processes", 0, "jax.distributed: processes in the lear
                      "(0: detected)")
 flags.DEFINE_integer("process_id", -1, "jax.distributed: this process's index (-1: detected)")
 flags.DEFINE_string("shard_address", "", "a learner process other than 0: where it serves its "
-                    "weight shards to relays (default: --address's host, a free port); the "
-                    "same credentials as --address")
+                    "weight shards to relays (default: --address, on this process's host: "
+                    "the port the cluster templates open on every learner host); the same "
+                    "credentials as --address")
 FLAGS = flags.FLAGS
 
 
@@ -139,14 +140,14 @@ def follow(c):
   if shards is not None:
     learner.shard_sink = shards
     token = common.secret(FLAGS.auth_token, "FR_JAX_TOKEN")
-    bind = FLAGS.shard_address or f"{(FLAGS.address or c.service.address).rsplit(':', 1)[0]}:0"
+    bind = FLAGS.shard_address or FLAGS.address or c.service.address
     try:
       _, port = srv.serve_shards(shards, bind, token=token, tls_cert=FLAGS.tls_cert,
                                  tls_key=FLAGS.tls_key, tls_client_ca=FLAGS.tls_client_ca)
     except srv.BindError as e:
       common.fail(str(e))
     host = bind.rsplit(":", 1)[0].strip("[]")
-    host = socket.gethostname() if host in ("", "0.0.0.0", "::") else host
+    host = socket.getfqdn() if host in ("", "0.0.0.0", "::") else host
     learner.group.put_signed(f"shards/{jax.process_index()}", f"{host}:{port}".encode())
   print(f"learner process {jax.process_index()} of {jax.process_count()} following "
         "process 0", flush=True)

@@ -141,7 +141,7 @@ def main(argv):
     except srv.BindError as e:
       common.fail(str(e))
     host = FLAGS.serve_address.rsplit(":", 1)[0].strip("[]")
-    host = socket.gethostname() if host in ("", "0.0.0.0", "::") else host
+    host = socket.getfqdn() if host in ("", "0.0.0.0", "::") else host
     r.serve_address = FLAGS.advertise or f"{host}:{port}"
     print(f"relay: serving its versions to peers at {r.serve_address}", flush=True)
   stop = threading.Event()

@@ -1,31 +1,40 @@
-r"""Weights from the learner to two SGLang servers through weight relays: the transfer speed
-over loopback and the seconds from publish to both servers serving the new version.
+r"""Weights from the learner to SGLang servers through weight relays, the design before
+issue 36 against the one after, in the same run: the learner's egress per version, each
+relay's throughput, and the seconds from publish to every server serving the new version.
 
-  python -m experiments.benchmarks.weight_relay     # SmolLM2-135M f32, then 1.5B bf16
+  python -m experiments.benchmarks.weight_relay     # SmolLM2-135M f32 x 4 relays, 1.5B bf16 x 2
+  python -m experiments.benchmarks.weight_relay --designs=shards --update=sparse
   python -m experiments.benchmarks.weight_relay --cases=random:smollm2-135m:float32 \
-      --versions=3
+      --relays=2 --versions=3
 
-Per case: random weights in a real model's shapes (`random:NAME`), a learner-side weight
-service (`fr_jax.transport.server.serve` over parameters published by hand), two STAND-IN
-SGLang servers (tests/sglang_standin.py: the embedded JAX engine behind SGLang's HTTP API,
-which SGLang itself would need CUDA for; their reload from disk is part of "serving") and one
-relay process (`launch.weight_relay`) beside each. Version 1 is delivered cold (relays
-starting); each of --versions further versions is published and timed: publish -> each
-server's load done -> its first answer at that version (a one-token /generate). The relays
-report fetch (gRPC and the CRC checks), write (safetensors, fsync, rename) and load (the
-server's /update_weights_from_disk) for each version. Everything shares this machine's
-cores, so the two relays fetch and write at the same time on the same CPUs.
+Per case and design, in a fresh process (so that one case's memory does not crowd the next):
+random weights in a real model's shapes (`random:NAME`), one STAND-IN SGLang server per relay
+(tests/sglang_standin.py: the embedded JAX engine behind SGLang's HTTP API, which SGLang itself
+would need CUDA for; their reload from disk is part of "serving") and one relay process
+(`launch.weight_relay`) beside each.
 
-The 1.5B case runs in bfloat16: in float32 two servers and two relays' buffers at once (4 x
-7.1 GB) do not fit in 24 GB. The learner's copy is memory-mapped from files (page cache), and
-the servers load tensor by tensor into their freed weights: at the 1.5B shapes in bfloat16
-MemAvailable fell by 12.1 GB at most (17.7 to 5.6 GB) in the kept run. A case is skipped (a
-`skipped` line) when less memory is available than it needs; the benchmark's processes
-volunteer to the OOM killer first (oom_score_adj 1000), as the machine is shared, and run with
-MALLOC_ARENA_MAX=2 (set by re-executing itself). Prints JSON lines: the machine, the settings,
-one row per (version, server), a summary per case with memory peaks.
+* `whole` (before): a learner-side weight service in one process (`transport.server.serve`
+  over parameters published by hand); every relay fetches the whole model (`GetWeights`),
+  then writes it. (A multi-process learner would first gather its shards; not included.)
+* `shards` (after): a 2-process learner (`experiments/benchmarks/shard_hosts.py`: two
+  `jax.distributed` processes, each holding half the weights and serving its own pieces in
+  bf16); relays with `--serve_address`, so relays beyond the first two fetch from relays.
+  `--update`: `dense` versions change every element (deltas cannot help), `sparse` ones 0.7 %
+  (the demo run's measured rate: deltas on the wire).
 
-Time: about 2 minutes for SmolLM2-135M and 7 for the 1.5B shapes on 2 cores.
+Version 1 is delivered cold (relays starting); each of --versions further versions is
+published and timed: publish -> each server's load done -> its first answer at that version (a
+one-token /generate). The relays report fetch (for shards: fetch and write, one step), write
+and load per version. Everything shares this machine's cores.
+
+The 1.5B case runs in bfloat16: in float32 the servers' copies do not fit in 24 GB. A case is
+skipped (a `skipped` line) when less memory is available than it needs; the benchmark's
+processes volunteer to the OOM killer first (oom_score_adj 1000), as the machine is shared,
+and run with MALLOC_ARENA_MAX=2 (set by re-executing itself). Prints JSON lines: the machine,
+the settings, one row per (version, server), a summary per case with the learner's egress per
+version and memory peaks.
+
+Time: about 2 minutes per design for SmolLM2-135M and 7 for the 1.5B shapes on 2 cores.
 """
 
 from __future__ import annotations

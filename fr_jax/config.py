@@ -106,8 +106,8 @@ def default_config() -> ml_collections.ConfigDict:
       worker_timeout_s=300.0,  # forget a worker's stats after this long without a heartbeat
       max_streams=1024,  # concurrent trajectory streams; more are refused and retry later
       # Weight relays (launch.learner): every learner process serves its own pieces of each
-      # version in the servers' dtype; relays fetch from `fanout` hosts' worth at most and
-      # feed each other (fr_jax/transport/shards.py, docs/scale.md).
+      # version in the servers' dtype; the hosts serve each version to `fanout` relays and
+      # every relay to `fanout` more (fr_jax/transport/shards.py, docs/scale.md).
       shards=True,
       wire_dtype="bfloat16",  # what the SGLang servers load
       fanout=2,  # relays fetching from the hosts, and from each relay, per version

@@ -91,6 +91,7 @@ def run(workdir: str, until: int, fsdp: int = 4) -> dict:
   v, params = service.version, learner.snapshot_params()
   out = dict(flat_params(params), version=np.int64(v))
   np.savez(os.path.join(workdir, "params.npz"), **out)
+  learner.wait_shards()  # the other process's pieces: its shard server waits for them
   fetch_shards(host, addresses, v, os.path.join(workdir, "shards.safetensors"))
   service.close()
   learner.close()

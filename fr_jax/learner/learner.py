@@ -346,19 +346,40 @@ class Learner:
 
   shard_sink = None  # a transport.shards.ShardHost on every process (launch.learner sets it)
   _shard_manifest = None
+  _shard_pool = None
+  _shard_job = None
 
   @multihost.collective
   def publish_shards(self, version: int) -> None:
     """Hands this process's pieces of the current parameters, in the sink's dtype, to
     `shard_sink` as `version` (`fr_jax.models.hf_shards`: each process takes its own
-    addressable shards; nothing is gathered). Every process calls it, like an update."""
+    addressable shards; nothing is gathered). Every process calls it, like an update. The
+    parameters are copied on device here (the next update donates them); the copy to host,
+    the cast and the HF layout happen on a background thread, one version after another,
+    while the learner trains on (`wait_shards` waits for them)."""
     if self.shard_sink is None:
       return
-    params, cfg = self.state.params, self.model_config
+    self.wait_shards()  # one version in the works at a time: at most one more device copy
+    params, cfg = jax.tree.map(jnp.copy, self.state.params), self.model_config
     if self._shard_manifest is None or self._shard_manifest.dtype != self.shard_sink.dtype:
       self._shard_manifest = hf_shards.manifest_of(params, cfg, self.shard_sink.dtype)
-    m = self._shard_manifest
-    self.shard_sink.put(version, m, hf_shards.local_pieces(params, cfg, m, jax.process_index()))
+    m, sink, host = self._shard_manifest, self.shard_sink, jax.process_index()
+    if self._shard_pool is None:
+      from concurrent import futures
+      self._shard_pool = futures.ThreadPoolExecutor(1, thread_name_prefix="shards")
+
+    def put():
+      try:
+        sink.put(version, m, hf_shards.local_pieces(params, cfg, m, host))
+      except Exception:  # noqa: BLE001 -- relays wait for the next version; training goes on
+        log.exception("could not publish the shards of version %d", version)
+
+    self._shard_job = self._shard_pool.submit(put)
+
+  def wait_shards(self) -> None:
+    """Until this process's pieces of the last published version are in its sink."""
+    if self._shard_job is not None:
+      self._shard_job.result()
 
   def export_hf(self, path, params=None) -> str:
     """Writes the parameters (default: the current ones) as a HF safetensors directory
@@ -370,6 +391,8 @@ class Learner:
   def close(self):
     if self.checkpointer is not None:
       self.checkpointer.close()
+    if self._shard_pool is not None:
+      self._shard_pool.shutdown(wait=True)
     self.writer.close()
 
 

@@ -125,6 +125,8 @@ class ShardHost:
     self.hosts: list[str] = [""]
     self.fanout = Fanout(root, fanout)
     self._lock = threading.Lock()
+    self._cond = threading.Condition(self._lock)  # a new version came
+    self.wait_s = 60.0
     # version -> (manifest, {piece: (its bytes, their CRC-32)})
     self._held: collections.OrderedDict = collections.OrderedDict()
     self._frames = _Once()
@@ -154,6 +156,7 @@ class ShardHost:
       while len(self._held) > self.keep:
         self._held.popitem(last=False)
       kept = set(self._held)
+      self._cond.notify_all()
     self._frames.drop(lambda k: k[0] in kept and k[1] in kept)
     if previous is not None and self.precompute:  # the deltas relays will ask for, now
       threading.Thread(target=self._precompute, args=(version, previous), daemon=True,
@@ -208,8 +211,14 @@ class ShardHost:
     return self._frames.get((version, base, i), make)
 
   def serve(self, request: pb.ShardsRequest, context) -> Iterator[pb.WeightsChunk]:
+    """The pieces asked for. A version newer than any held is waited for up to `wait_s` (this
+    process may still be preparing it while process 0 already answers manifests)."""
     v = request.version
-    with self._lock:
+    deadline = time.monotonic() + self.wait_s
+    with self._cond:
+      while v not in self._held and v > next(reversed(self._held), -1) and \
+          time.monotonic() < deadline and context.is_active():
+        self._cond.wait(0.1)
       held = self._held.get(v)
     if held is None:
       context.abort(grpc.StatusCode.NOT_FOUND, f"version {v} is not held here (newest: "

@@ -320,7 +320,10 @@ class Relay:
       nonlocal vf, stats
       vf = shards.VersionFile(d / "model.safetensors", manifest, v)
       with self._files_lock:
+        replaced = self.files.pop(v, None)  # the same version again (a server reset)
         self.files[v] = vf
+      if replaced is not None:
+        replaced.close()
       stats = shards.fetch(vf, sources, self._open_stream, base=base, stop=stop,
                            streams=self.streams)
       (d / "config.json").write_text(json.dumps(to_hf_config(cfg), indent=2))

@@ -190,3 +190,11 @@ def print_json(obj):
 def quiet_logs():
   logging.set_verbosity(logging.INFO)
   logging.get_absl_handler().python_handler.stream = sys.stderr
+
+
+def reachable_at(bind: str, port: int) -> str:
+  """The host:port others reach a server bound to `bind` at: its host, or this machine's
+  name for a wildcard bind, and the port it got."""
+  import socket
+  host = bind.rsplit(":", 1)[0].strip("[]")
+  return f"{socket.getfqdn() if host in ('', '0.0.0.0', '::') else host}:{port}"

@@ -128,8 +128,6 @@ def shard_host(c):
 def follow(c):
   """A process other than 0: the same learner, making the calls process 0 announces, and
   serving its own weight shards."""
-  import socket
-
   import jax
 
   from fr_jax.learner import multihost
@@ -146,9 +144,8 @@ def follow(c):
                                  tls_key=FLAGS.tls_key, tls_client_ca=FLAGS.tls_client_ca)
     except srv.BindError as e:
       common.fail(str(e))
-    host = bind.rsplit(":", 1)[0].strip("[]")
-    host = socket.getfqdn() if host in ("", "0.0.0.0", "::") else host
-    learner.group.put_signed(f"shards/{jax.process_index()}", f"{host}:{port}".encode())
+    learner.group.put_signed(f"shards/{jax.process_index()}",
+                             common.reachable_at(bind, port).encode())
   print(f"learner process {jax.process_index()} of {jax.process_count()} following "
         "process 0", flush=True)
   multihost.follow(learner)

@@ -132,17 +132,13 @@ def main(argv):
                   say=lambda line: print(line, flush=True))
   peers = None
   if FLAGS.serve_address:
-    import socket
-
     from fr_jax.transport import server as srv
     try:
       peers, port = srv.serve_shards(r, FLAGS.serve_address, token=client_token,
                                      tls_cert=FLAGS.serve_tls_cert, tls_key=FLAGS.serve_tls_key)
     except srv.BindError as e:
       common.fail(str(e))
-    host = FLAGS.serve_address.rsplit(":", 1)[0].strip("[]")
-    host = socket.getfqdn() if host in ("", "0.0.0.0", "::") else host
-    r.serve_address = FLAGS.advertise or f"{host}:{port}"
+    r.serve_address = FLAGS.advertise or common.reachable_at(FLAGS.serve_address, port)
     print(f"relay: serving its versions to peers at {r.serve_address}", flush=True)
   stop = threading.Event()
   for sig in (signal.SIGTERM, signal.SIGINT):

@@ -101,12 +101,12 @@ def run(workdir: str, until: int, fsdp: int = 4) -> dict:
 
 def fetch_shards(host, addresses, version, path) -> None:
   """Version `version`'s pieces from every process's shard server, into one file."""
-  from fr_jax.transport import shards
+  from fr_jax.transport import shard_fetch
   from fr_jax.transport.client import WeightsClient
   client = WeightsClient(addresses[0])
   try:
-    vf = shards.VersionFile(path, host.manifest(version), version)
-    got = shards.fetch(vf, [shards.Source("hosts", hosts=tuple(addresses))],
+    vf = shard_fetch.VersionFile(path, host.manifest(version), version)
+    got = shard_fetch.fetch(vf, [shard_fetch.Source("hosts", hosts=tuple(addresses))],
                        lambda a, v, p, b: client.open_shards(a, v, p, b, timeout=120))
     assert got["failures"] == {}, got
     vf.close()

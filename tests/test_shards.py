@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from fr_jax.learner import mesh as meshlib
 from fr_jax.models import hf_io, hf_shards, registry
-from fr_jax.transport import codec, shards
+from fr_jax.transport import codec, shard_fetch, shards
 from fr_jax.transport import fr_jax_pb2 as pb
 from fr_jax.transport import server as srv
 from fr_jax.transport.client import WeightsClient
@@ -118,22 +118,22 @@ def test_pieces_from_two_hosts_make_the_bf16_export_and_deltas_are_bit_exact(tmp
     m = hosts.manifest
     assert {p.host for p in m.pieces} == {0, 1}  # both hosts serve part of the model
     assert m.nbytes == sum(a.size for a in jax.tree.leaves(params)) * 2
-    src = [shards.Source("hosts", hosts=tuple(hosts.addresses))]
-    v1 = shards.VersionFile(tmp_path / "v1.safetensors", m, 1)
-    got = shards.fetch(v1, src, open_stream(client))
+    src = [shard_fetch.Source("hosts", hosts=tuple(hosts.addresses))]
+    v1 = shard_fetch.VersionFile(tmp_path / "v1.safetensors", m, 1)
+    got = shard_fetch.fetch(v1, src, open_stream(client))
     assert got == {"failures": {}, "sources": ["hosts"]}
     assert_bit_equal(read_file(v1.path), reference(tmp_path, params, cfg))
     assert hosts.sent == m.nbytes  # the plain bytes, once
-    three = shards.VersionFile(tmp_path / "v1b.safetensors", m, 1)  # 3 streams per host
-    shards.fetch(three, src, open_stream(client), streams=3)
+    three = shard_fetch.VersionFile(tmp_path / "v1b.safetensors", m, 1)  # 3 streams per host
+    shard_fetch.fetch(three, src, open_stream(client), streams=3)
     assert three.path.read_bytes() == v1.path.read_bytes()
     assert sum(v1.received.values()) == m.nbytes
 
     # Version 2 as deltas against version 1: a fraction of the bytes, the same result.
     params2 = perturbed(params, 0)
     hosts.publish(2, params2)
-    v2 = shards.VersionFile(tmp_path / "v2.safetensors", m, 2)
-    shards.fetch(v2, src, open_stream(client), base=v1)
+    v2 = shard_fetch.VersionFile(tmp_path / "v2.safetensors", m, 2)
+    shard_fetch.fetch(v2, src, open_stream(client), base=v1)
     assert_bit_equal(read_file(v2.path), reference(tmp_path, params2, cfg, "ref2"))
     wire = sum(v2.received.values())
     assert sum(h.sent["delta"] for h in hosts.hosts) > 0
@@ -188,15 +188,15 @@ def test_damaged_and_mixed_version_streams_are_refused_then_fetched_whole(tmp_pa
             else:
               c.version += 1
           yield c
-      vf = shards.VersionFile(tmp_path / f"{damage}.safetensors", m, 1)
+      vf = shard_fetch.VersionFile(tmp_path / f"{damage}.safetensors", m, 1)
       with pytest.raises(codec.WeightsError, match="incomplete") as e:
-        shards.fetch(vf, [shards.Source("hosts", hosts=tuple(hosts.addresses))], bad)
+        shard_fetch.fetch(vf, [shard_fetch.Source("hosts", hosts=tuple(hosts.addresses))], bad)
       assert reason in str(e.value)
       assert vf.missing()  # refused pieces are not marked done
       # The next source (the hosts again, undamaged) completes it: only what was missing.
       missing, before = vf.missing(), sum(vf.received.values())
       assert 0 < len(missing) < len(m.pieces)
-      shards.fetch(vf, [shards.Source("hosts", hosts=tuple(hosts.addresses))], real)
+      shard_fetch.fetch(vf, [shard_fetch.Source("hosts", hosts=tuple(hosts.addresses))], real)
       assert sum(vf.received.values()) - before == sum(m.piece_bytes(i) for i in missing)
       assert_bit_equal(read_file(vf.path), reference(tmp_path, params, cfg))
   finally:
@@ -217,7 +217,7 @@ def test_relays_feed_relays_and_a_dead_parent_falls_back_to_the_hosts(tmp_path, 
   try:
     def run_relay(k, version, base, die_after=None):
       name = f"r{k}"
-      vf = shards.VersionFile(tmp_path / f"{name}-v{version}.safetensors", hosts.manifest,
+      vf = shard_fetch.VersionFile(tmp_path / f"{name}-v{version}.safetensors", hosts.manifest,
                               version)
       holder = type("Holder", (), {})()
       if die_after is None:
@@ -232,11 +232,11 @@ def test_relays_feed_relays_and_a_dead_parent_falls_back_to_the_hosts(tmp_path, 
       server, port = srv.serve_shards(holder)
       relays.append(server)
       parent = fan.parent(name, f"127.0.0.1:{port}", version)
-      src = ([shards.Source(f"relay {parent}", parent)] if parent else []) + \
-          [shards.Source("hosts", hosts=tuple(hosts.addresses))]
+      src = ([shard_fetch.Source(f"relay {parent}", parent)] if parent else []) + \
+          [shard_fetch.Source("hosts", hosts=tuple(hosts.addresses))]
       out = {}
       t = threading.Thread(target=lambda: out.update(
-          shards.fetch(vf, src, open_stream(client), base=base)))
+          shard_fetch.fetch(vf, src, open_stream(client), base=base)))
       t.start()
       return vf, t, parent, out
 
@@ -388,14 +388,14 @@ def test_a_full_disk_is_a_named_failure_not_a_dead_thread(tmp_path, model, monke
   client = WeightsClient("127.0.0.1:1")
   try:
     hosts.publish(1, params)
-    vf = shards.VersionFile(tmp_path / "full.safetensors", hosts.manifest, 1)
+    vf = shard_fetch.VersionFile(tmp_path / "full.safetensors", hosts.manifest, 1)
 
     def full(*a):
       raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(shards.os, "pwrite", full)
     with pytest.raises(codec.WeightsError, match="incomplete") as e:
-      shards.fetch(vf, [shards.Source("hosts", hosts=tuple(hosts.addresses))],
+      shard_fetch.fetch(vf, [shard_fetch.Source("hosts", hosts=tuple(hosts.addresses))],
                    open_stream(client))
     assert e.value.failures == {"write_failed": 2}  # one per host stream
     assert len(vf.missing()) == len(hosts.manifest.pieces)

@@ -6,7 +6,7 @@ r"""One shard stream alone: the per-stream rates docs/scale.md's fleet model is 
 A shard host process (random bf16 weights in the model's shapes, two versions 0.7% of the
 elements apart: the demo run's measured rate, experiments/benchmarks/weight_delta.py) serves
 its pieces over loopback gRPC; this process fetches them like a relay
-(`fr_jax.transport.shards.fetch` into a safetensors file): version 1 plain, then version 2 as
+(`fr_jax.transport.shard_fetch.fetch` into a safetensors file): version 1 plain, then version 2 as
 deltas against it, with 1..N parallel streams. Nothing else runs on purpose, so the figures
 are this machine's per-stream ceiling (the host and the relay each have a core). Prints JSON
 lines: the machine, one row per (streams, encoding) with MB/s of model bytes written and
@@ -72,7 +72,7 @@ def main(argv):
   import statistics
 
   from fr_jax.models import hf_shards
-  from fr_jax.transport import shards
+  from fr_jax.transport import shard_fetch
   from fr_jax.transport.client import WeightsClient
   emit("machine", **machine(), model=FLAGS.model)
   tmp = Path(tempfile.mkdtemp(prefix="shard_stream_"))
@@ -85,7 +85,7 @@ def main(argv):
   emit("host", mb=round(m.nbytes / 1e6, 1), delta_make_s=round(float(make_s), 2),
        delta_make_mb_s=round(m.nbytes / 1e6 / float(make_s), 1))
   client = WeightsClient(f"127.0.0.1:{port}")
-  src = [shards.Source("hosts", hosts=(f"127.0.0.1:{port}",))]
+  src = [shard_fetch.Source("hosts", hosts=(f"127.0.0.1:{port}",))]
 
   def open_stream(a, v, p, b):
     return client.open_shards(a, v, p, b)
@@ -95,17 +95,17 @@ def main(argv):
       for encoding in ("plain", "delta"):
         times, wire = [], 0
         for r in range(FLAGS.repeats):
-          base = shards.VersionFile(tmp / f"base{n}{r}.st", m, 1)
-          shards.fetch(base, src, open_stream, streams=n)
+          base = shard_fetch.VersionFile(tmp / f"base{n}{r}.st", m, 1)
+          shard_fetch.fetch(base, src, open_stream, streams=n)
           vf = base
           if encoding == "delta":
             t = time.perf_counter()
-            vf = shards.VersionFile(tmp / f"v2_{n}{r}.st", m, 2)
-            shards.fetch(vf, src, open_stream, base=base, streams=n)
+            vf = shard_fetch.VersionFile(tmp / f"v2_{n}{r}.st", m, 2)
+            shard_fetch.fetch(vf, src, open_stream, base=base, streams=n)
           else:
             t = time.perf_counter()
-            vf = shards.VersionFile(tmp / f"again{n}{r}.st", m, 1)
-            shards.fetch(vf, src, open_stream, streams=n)
+            vf = shard_fetch.VersionFile(tmp / f"again{n}{r}.st", m, 1)
+            shard_fetch.fetch(vf, src, open_stream, streams=n)
           times.append(time.perf_counter() - t)
           wire = sum(vf.received.values())
           for f in (base, vf):  # an open file's blocks outlive its name

@@ -61,7 +61,7 @@ from fr_jax import durable
 from fr_jax.models import decoder, hf_shards
 from fr_jax.models.config import ModelConfig, to_hf_config
 from fr_jax.models.hf_io import save_hf
-from fr_jax.transport import codec, shards
+from fr_jax.transport import codec, shard_fetch
 
 log = logging.getLogger("fr_jax.relay")
 
@@ -312,19 +312,19 @@ class Relay:
       base = self.files.get(self.delivered)
     if base is not None and base.manifest != manifest:
       base = None
-    sources = ([shards.Source(f"relay {parent}", parent)] if parent else []) + \
-        [shards.Source("hosts", hosts=tuple(hosts))]
+    sources = ([shard_fetch.Source(f"relay {parent}", parent)] if parent else []) + \
+        [shard_fetch.Source("hosts", hosts=tuple(hosts))]
     vf, stats = None, {}
 
     def fill(d: Path) -> None:
       nonlocal vf, stats
-      vf = shards.VersionFile(d / "model.safetensors", manifest, v)
+      vf = shard_fetch.VersionFile(d / "model.safetensors", manifest, v)
       with self._files_lock:
         replaced = self.files.pop(v, None)  # the same version again (a server reset)
         self.files[v] = vf
       if replaced is not None:
         replaced.close()
-      stats = shards.fetch(vf, sources, self._open_stream, base=base, stop=stop,
+      stats = shard_fetch.fetch(vf, sources, self._open_stream, base=base, stop=stop,
                            streams=self.streams)
       (d / "config.json").write_text(json.dumps(to_hf_config(cfg), indent=2))
       for name, text in (self.tokenizer_files or {}).items():

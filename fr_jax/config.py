@@ -18,6 +18,7 @@ import ml_collections
 
 from fr_jax.envs.sandbox import Limits
 from fr_jax.learner import config as lcfg
+from fr_jax.rollout import tool_formats
 
 ConfigError = lcfg.ConfigError
 ENGINES = ("embedded", "sglang")
@@ -112,6 +113,17 @@ def default_config() -> ml_collections.ConfigDict:
       wire_dtype="bfloat16",  # what the SGLang servers load
       fanout=2,  # relays fetching from the hosts, and from each relay, per version
   ))
+  # The OpenAI-compatible gateway (launch.gateway, fr_jax/rollout/gateway.py).
+  c.gateway = ml_collections.ConfigDict(dict(
+      address="127.0.0.1:8000",  # HTTP bind; loopback by default
+      tool_format="auto",  # auto (from the chat template) | none | hermes | llama3_json | mistral
+      max_open_episodes=1024,  # episodes without a reward yet; more are refused (429)
+      episode_timeout_s=900.0,  # an episode idle this long is dropped (episodes_expired)
+      max_segments=16,  # segments per episode
+      max_connections=64,  # requests served at once; more get 503
+      max_body_bytes=4 << 20,  # a larger request body is refused (413)
+      max_batch=0,  # embedded engine: calls batched together (0: rollout.num_slots)
+  ))
   return c
 
 
@@ -160,6 +172,14 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     raise ConfigError(f"eval.temperature={c.eval.temperature} must be >= 0 (0: greedy)")
   if c.eval.every < 0:
     raise ConfigError(f"eval.every={c.eval.every} must be >= 0")
+  g = c.gateway
+  if g.tool_format not in ("auto", "none", *tool_formats.FORMATS):
+    raise ConfigError(f"gateway.tool_format={g.tool_format!r}: choose auto, none or one of "
+                      f"{tool_formats.FORMATS}")
+  if min(g.max_open_episodes, g.max_segments, g.max_connections, g.max_body_bytes) < 1 \
+     or not g.episode_timeout_s > 0 or g.max_batch < 0:
+    raise ConfigError("gateway: max_open_episodes, max_segments, max_connections and "
+                      "max_body_bytes must be >= 1, episode_timeout_s > 0, max_batch >= 0")
   bad = {k: v for k, v in c.agent.tool_limits.items() if not v > 0}
   if bad:
     raise ConfigError(f"agent.tool_limits {bad}: every limit must be > 0")

@@ -139,6 +139,7 @@ def main(argv):
           break
   finally:
     server.shutdown()
+    counters = gateway.metrics()
     gateway.close()
     if service is not None:
       service.close()
@@ -146,7 +147,7 @@ def main(argv):
     else:
       client.flush(timeout=10)
       client.close()
-  common.print_json({"gateway": gateway.metrics(), **{k: summary[k] for k in
+  common.print_json({"gateway": counters, **{k: summary[k] for k in
                      ("version", "updates") if k in summary}})
 
 

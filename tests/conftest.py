@@ -62,8 +62,9 @@ def smol_tokenizer():
 # last would run alone at the end. Every worker sorts the same way, as xdist requires.
 LONGEST_FIRST = ("test_chaos_fleet.py", "test_system.py", "test_learner.py", "test_chaos.py",
                  "test_gguf_smollm2.py", "test_multihost.py", "test_attention.py",
-                 "test_learning.py", "test_gateway.py", "test_notebook.py", "test_model_internal.py",
-                 "test_moe_learner.py", "test_engine.py", "test_moe_rollout.py",
+                 "test_learning.py", "test_gateway.py", "test_notebook.py",
+                 "test_model_internal.py", "test_moe_learner.py", "test_engine.py",
+                 "test_moe_rollout.py",
                  "test_exactly_once.py", "test_device_check.py", "test_agent.py",
                  "test_transport.py", "test_replication.py", "test_sandbox.py", "test_export.py",
                  "test_weight_relay.py", "test_sglang_client.py", "test_sft.py")

@@ -54,6 +54,8 @@ DOCUMENTED = {
                                                         16 * 1024),
                                 "lag about 4": (lambda c: c.max_policy_lag, 4)},
     "tiny_test": {"5 updates": (lambda c: c.max_updates, 5)},
+    "gateway_smollm2": {"Batches of 8": (lambda c: c.batch_size, 8),
+                        "2 updates": (lambda c: c.max_updates, 2)},
     "tiny_moe": {"800 steps": (lambda c: c.sft.steps, 800),
                  "60 updates": (lambda c: c.max_updates, 60),
                  "batches of 8": (lambda c: c.batch_size, 8),
@@ -63,6 +65,7 @@ DOCUMENTED = {
 }
 SCHEDULE = {"alfworld_like": 200, "cpu_agent": 30, "cpu_default": 36, "qwen25_7b_tool": 600,
             "qwen25_math_1p5b": 2000, "r1_distill_1p5b_longcot": 6000, "tiny_test": 100,
+            "gateway_smollm2": 2,
             "qwen3_30b_a3b_tool": 800, "tiny_moe": 60}
 
 

@@ -34,10 +34,9 @@ import numpy as np
 from fr_jax.envs.base import Env, Task
 from fr_jax.envs.sandbox import Limits, require_isolation, run_python
 from fr_jax.rollout.engine import Completion, Engine, Request
+from fr_jax.rollout.tool_formats import CALL_CLOSE, CALL_OPEN, RESPONSE_CLOSE, RESPONSE_OPEN
 from fr_jax.trajectory import Trajectory
 
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>\n", "\n</tool_response>"
 MAX_TOOL_OUTPUT_CHARS = 2000
 
 

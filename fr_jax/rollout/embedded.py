@@ -105,7 +105,8 @@ class _Resident:
   routes: np.ndarray | None = None
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+  """How many leading ids a and b share."""
   n = min(len(a), len(b))
   if list(a[:n]) == list(b[:n]):  # the usual case (the next turn), at C speed
     return n
@@ -211,7 +212,7 @@ class EmbeddedEngine:
     r = self._resident[slot]
     if not self.prefix_reuse or r.epoch != self._epoch or not r.tokens:
       return 0
-    return _common_prefix(r.tokens, prompt)
+    return common_prefix(r.tokens, prompt)
 
   def _pick_slot(self, req: Request, free: Sequence[int]) -> int:
     """The slot for `req` among `free` slots (eviction policy in the module docstring)."""

@@ -56,7 +56,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-import json
 import logging
 import math
 import queue
@@ -69,36 +68,27 @@ import uuid
 import numpy as np
 
 from fr_jax.rollout import tool_formats
+from fr_jax.rollout.chat_render import (
+  GatewayError,
+  Renderer,
+  Sampling,
+  bad_request,
+  canonical_arguments,
+  normalize_messages,
+  normalize_tools,
+  reply_mark,
+  sampling,
+)
+from fr_jax.rollout.embedded import common_prefix
 from fr_jax.rollout.engine import Completion, Request
+from fr_jax.rollout.gateway_state import Episode, Journal, Segment
 from fr_jax.trajectory import Trajectory
 
 log = logging.getLogger("fr_jax.gateway")
 
-_TEXT = re.compile("\ue000(\\d+)\ue001")  # an agent's text, by number
 EPISODE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-ROLES = ("system", "user", "assistant", "tool")
 SPLIT_REASONS = ("history_changed", "reply_changed", "tools_changed",
                  "template_not_append_only", "endpoint_changed")
-
-
-def _text_mark(i: int) -> str:
-  return f"\ue000{i}\ue001"
-
-
-def _reply_mark(i: int) -> str:
-  return f"\ue002{i}\ue003"
-
-
-class GatewayError(Exception):
-  """A refused call: HTTP status, a named reason (the OpenAI error `code`) and a message."""
-
-  def __init__(self, status: int, code: str, message: str):
-    super().__init__(message)
-    self.status, self.code = status, code
-
-
-def _bad(message: str, code: str = "invalid_request") -> GatewayError:
-  return GatewayError(400, code, message)
 
 
 @dataclasses.dataclass
@@ -114,393 +104,6 @@ class GatewayConfig:
   max_stop: int = 8  # stop strings per call
   heartbeat_every_s: float = 1.0
   weights: str = "arrays"  # arrays (embedded engine) | hf (SGLang: an HF directory)
-
-
-# --- requests: messages, tools and sampling parameters ---
-
-def _content(m: dict, i: int) -> str:
-  c = m.get("content")
-  if c is None:
-    return ""
-  if isinstance(c, str):
-    return c
-  if isinstance(c, list):  # content parts: text only
-    out = []
-    for p in c:
-      if not (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)):
-        raise _bad(f"messages[{i}]: only text content parts are supported")
-      out.append(p["text"])
-    return "".join(out)
-  raise _bad(f"messages[{i}].content must be a string, a list of text parts or null")
-
-
-def _arguments(text) -> str:
-  """A call's arguments in one canonical JSON text (two spellings of one object compare
-  equal); text that is not JSON stays as it is."""
-  if not isinstance(text, str):
-    raise _bad("a tool call's function.arguments must be a string")
-  try:
-    return json.dumps(json.loads(text), sort_keys=True, ensure_ascii=False)
-  except (ValueError, RecursionError):
-    return text
-
-
-def normalize_messages(raw, max_messages: int) -> list[dict]:
-  """The request's messages in one canonical form: role, text content, and for assistant
-  turns their calls as (name, arguments) pairs. Fields the gateway does not read (ids,
-  `refusal`, `annotations`, ...) are dropped, so a message the agent echoes back as the
-  client library returned it compares equal to the reply it got."""
-  if not isinstance(raw, list) or not raw:
-    raise _bad("messages must be a non-empty list")
-  if len(raw) > max_messages:
-    raise _bad(f"{len(raw)} messages (at most {max_messages})")
-  out = []
-  for i, m in enumerate(raw):
-    if not isinstance(m, dict):
-      raise _bad(f"messages[{i}] must be an object")
-    role = "system" if m.get("role") == "developer" else m.get("role")
-    if role not in ROLES:
-      raise _bad(f"messages[{i}].role={m.get('role')!r}: use one of {ROLES}")
-    n = {"role": role, "content": _content(m, i)}
-    calls = m.get("tool_calls") if role == "assistant" else None
-    if calls:
-      if not isinstance(calls, list):
-        raise _bad(f"messages[{i}].tool_calls must be a list")
-      pairs = []
-      for c in calls:
-        f = c.get("function") if isinstance(c, dict) else None
-        if not (isinstance(f, dict) and isinstance(f.get("name"), str)):
-          raise _bad(f"messages[{i}].tool_calls: each needs function.name")
-        pairs.append([f["name"], _arguments(f.get("arguments", "{}"))])
-      n["tool_calls"] = pairs
-    out.append(n)
-  if out[-1]["role"] == "assistant":
-    raise _bad("the last message is an assistant turn; the gateway writes that one")
-  return out
-
-
-def normalize_tools(body: dict) -> list | None:
-  tools = body.get("tools")
-  if not tools or body.get("tool_choice") == "none":
-    return None
-  if not isinstance(tools, list) or not all(
-      isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
-      and isinstance(t["function"].get("name"), str) for t in tools):
-    raise _bad("tools must be a list of {\"type\": \"function\", \"function\": {\"name\": ...}}")
-  return tools
-
-
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-  max_tokens: int | None
-  temperature: float
-  top_p: float
-  stop: tuple[str, ...]
-  seed: int | None
-  logprobs: bool
-
-
-def sampling(body: dict, max_stop: int) -> Sampling:
-  """The call's sampling parameters, checked (OpenAI's names and defaults)."""
-  if body.get("n", 1) != 1:
-    raise _bad("n must be 1: one rollout per call")
-
-  def number(key, default, lo, hi):
-    v = body.get(key)
-    if v is None:
-      return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
-      raise _bad(f"{key}={v!r} must be a number in [{lo}, {hi}]")
-    return float(v)
-
-  mt = body.get("max_completion_tokens", body.get("max_tokens"))
-  if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int) or mt < 1):
-    raise _bad(f"max_tokens={mt!r} must be a positive integer")
-  stop = body.get("stop") or ()
-  stop = (stop,) if isinstance(stop, str) else stop
-  if not (isinstance(stop, (list, tuple)) and len(stop) <= max_stop
-          and all(isinstance(s, str) and 0 < len(s) <= 256 for s in stop)):
-    raise _bad(f"stop must be a string or a list of at most {max_stop} non-empty strings")
-  seed = body.get("seed")
-  if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-    raise _bad(f"seed={seed!r} must be an integer")
-  top_p = number("top_p", 1.0, 0.0, 1.0)
-  if top_p == 0:
-    raise _bad("top_p must be in (0, 1]")
-  return Sampling(mt, number("temperature", 1.0, 0.0, 2.0), top_p, tuple(stop),
-                  None if seed is None else seed % 2**32, bool(body.get("logprobs")))
-
-
-# --- rendering: the chat template, with the agent's texts and the gateway's replies marked ---
-
-@dataclasses.dataclass
-class Rendered:
-  text: str  # the template's output; agent texts as _text_mark, gateway replies as _reply_mark
-  texts: list[str]  # the agent's texts, by mark number
-  exact: bool  # the template renders the real texts as it renders their marks
-
-
-class Renderer:
-  """Renders conversations with a tokenizer's chat template and a tool format."""
-
-  def __init__(self, tok, tool_format: str = "auto"):
-    self.tok = tok
-    template = tok.chat_template
-    if tool_format == "auto":
-      self.fmt = tool_formats.detect(template)
-    elif tool_format == "none":
-      self.fmt = None
-    elif tool_format in tool_formats.FORMATS:
-      self.fmt = tool_format
-    else:
-      raise ValueError(f"tool_format={tool_format!r}: use auto, none or one of "
-                       f"{tool_formats.FORMATS}")
-    # The template writes tools itself only if it renders them and writes this format.
-    self.native = (self.fmt is not None and tool_formats.renders_tools(template)
-                   and tool_formats.detect(template) == self.fmt)
-
-  def _plain(self, msgs: list[dict], tools, texts: list[str], replies) -> list[dict]:
-    """msgs as the template gets them: texts marked, replies as sentinels, and (for a template
-    that does not render tools) tools, calls and results written by the format."""
-    def mark(s: str) -> str:
-      texts.append(s)
-      return _text_mark(len(texts) - 1)
-
-    out: list[dict] = []
-    wrap = tool_formats.result_wrap(self.fmt) if self.fmt and not self.native else None
-    for i, m in enumerate(msgs):
-      if i in replies:
-        out.append({"role": "assistant", "content": _reply_mark(i)})
-        continue
-      if m["role"] == "tool" and wrap is not None:
-        role, before, after, between = wrap
-        piece = before + mark(m["content"]) + after
-        if out and out[-1].get("_results"):
-          out[-1]["content"] += between + piece
-        else:
-          out.append({"role": role, "content": piece, "_results": True})
-        continue
-      content = mark(m["content"]) if m["content"] else ""
-      n = {"role": m["role"], "content": content}
-      if m.get("tool_calls"):
-        if self.native:
-          n["tool_calls"] = [{"type": "function", "function": {"name": a, "arguments": _obj(b)}}
-                             for a, b in m["tool_calls"]]
-        elif self.fmt:
-          calls = mark(tool_formats.write_calls(self.fmt, m["tool_calls"]))
-          n["content"] = content + ("\n" if content else "") + calls
-      out.append(n)
-    if tools and not self.native:
-      spec = mark(tool_formats.describe(self.fmt, tools))
-      if out and out[0]["role"] == "system":
-        out[0]["content"] += ("\n\n" if out[0]["content"] else "") + spec
-      else:
-        out.insert(0, {"role": "system", "content": spec})
-    # Number the texts in the order they appear, so that a conversation's earlier turns
-    # render to the same marked text whatever follows them.
-    order: list[str] = []
-
-    def renumber(m):
-      order.append(texts[int(m.group(1))])
-      return _text_mark(len(order) - 1)
-
-    for n in out:
-      n.pop("_results", None)
-      n["content"] = _TEXT.sub(renumber, n["content"])
-    texts[:] = order
-    return out
-
-  def render(self, msgs: list[dict], tools=None, replies=()) -> Rendered:
-    texts: list[str] = []
-    plain = self._plain(msgs, tools, texts, set(replies))
-    kw = {"tools": tools} if (tools and self.native) else {}
-    text = self.tok.apply_chat_template(plain, add_generation_prompt=True, **kw)
-    real = [{**n, "content": _TEXT.sub(lambda m: texts[int(m.group(1))], n["content"])}
-            for n in plain]
-    exact = (self.tok.apply_chat_template(real, add_generation_prompt=True, **kw)
-             == _TEXT.sub(lambda m: texts[int(m.group(1))], text))
-    return Rendered(text, texts, exact)
-
-  def encode(self, text: str, texts: list[str]) -> list[int]:
-    """Ids of marked text: the template's text trusted, the agent's texts untrusted."""
-    pieces, pos = [], 0
-    for m in _TEXT.finditer(text):
-      pieces += [(text[pos:m.start()], True), (texts[int(m.group(1))], False)]
-      pos = m.end()
-    pieces.append((text[pos:], True))
-    return self.tok.encode_pieces(pieces)
-
-  def prompt(self, r: Rendered) -> list[int]:
-    """A new segment's prompt ids (the tokenizer's BOS first, if it adds one)."""
-    if r.exact:
-      ids = self.encode(r.text, r.texts)
-    else:  # the template reads the texts: encode its real output, trusted
-      ids = self.tok.encode(_TEXT.sub(lambda m: r.texts[int(m.group(1))], r.text), add_bos=False)
-    tok = self.tok
-    if tok.add_bos and tok.bos_token is not None:
-      ids = [tok.token_id(tok.bos_token)] + ids
-    return ids
-
-
-def _obj(args: str):
-  try:
-    return json.loads(args)
-  except ValueError:
-    return args
-
-
-# --- episodes ---
-
-@dataclasses.dataclass
-class Segment:
-  kind: str  # chat | text
-  prompt_ids: list[int]
-  tokens: list[int] = dataclasses.field(default_factory=list)
-  mask: list[bool] = dataclasses.field(default_factory=list)
-  logp: list[float] = dataclasses.field(default_factory=list)
-  versions: list[int] = dataclasses.field(default_factory=list)
-  turns: int = 0
-  tool_calls: int = 0
-  finish_reason: str = "stop"
-  stop_text: str = ""  # the end-of-turn token the last turn sampled, as text
-  # chat: the last call's messages and tools, its rendering, the replies it marks, the reply
-  msgs: list = dataclasses.field(default_factory=list)
-  tools: list | None = None
-  rendered: str = ""
-  replies: list[int] = dataclasses.field(default_factory=list)
-  last_reply: dict | None = None
-  # text (/v1/completions with a string prompt): prompt and sampled text so far
-  text: str = ""
-
-  @property
-  def seq(self) -> list[int]:
-    return self.prompt_ids + self.tokens
-
-  def extend(self, ids, *, action: bool, version: int, logp=None, versions=None) -> None:
-    self.tokens += list(ids)
-    self.mask += [action] * len(ids)
-    self.logp += [float(x) for x in logp] if action else [0.0] * len(ids)
-    self.versions += ([int(v) for v in versions] if versions is not None
-                      else [version] * len(ids))
-
-  def copy(self) -> Segment:
-    return Segment(**json.loads(json.dumps(dataclasses.asdict(self))))
-
-
-@dataclasses.dataclass
-class Episode:
-  id: str
-  segments: list[Segment] = dataclasses.field(default_factory=list)
-  touched: float = 0.0
-  drift_tokens: int = 0
-  prompt_id: str = ""
-
-  def state(self) -> str:
-    return json.dumps(dataclasses.asdict(self))
-
-  @classmethod
-  def from_state(cls, text: str) -> Episode:
-    d = json.loads(text)
-    d["segments"] = [Segment(**s) for s in d["segments"]]
-    return cls(**d)
-
-
-def common_prefix(a, b) -> int:
-  n = min(len(a), len(b))
-  diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-  return int(diff[0]) if diff.size else n
-
-
-# --- the journal ---
-
-class Journal:
-  """Open episodes and unacknowledged records in an SQLite file (WAL, synchronous FULL: a
-  committed write survives a crash). `path=None`: in memory, nothing survives."""
-
-  def __init__(self, path: str | None):
-    self.path = path or ":memory:"
-    self.db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-    self.lock = threading.Lock()
-    with self.lock:
-      if path:
-        self.db.execute("PRAGMA journal_mode=WAL")
-      self.db.execute("PRAGMA synchronous=FULL")
-      self.db.execute("CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT)")
-      self.db.execute("CREATE TABLE IF NOT EXISTS episodes (id TEXT PRIMARY KEY, state TEXT)")
-      self.db.execute("CREATE TABLE IF NOT EXISTS records "
-                      "(seq INTEGER PRIMARY KEY, traj_id TEXT UNIQUE, record TEXT)")
-
-  def _tx(self, statements):
-    with self.lock:
-      self.db.execute("BEGIN IMMEDIATE")
-      try:
-        for sql, args in statements:
-          self.db.execute(sql, args)
-        self.db.execute("COMMIT")
-      except BaseException:
-        self.db.execute("ROLLBACK")
-        raise
-
-  def meta(self, key: str, default: str) -> str:
-    with self.lock:
-      row = self.db.execute("SELECT v FROM meta WHERE k=?", (key,)).fetchone()
-    if row is None:
-      self._tx([("INSERT INTO meta VALUES (?, ?)", (key, default))])
-      return default
-    return row[0]
-
-  def episodes(self) -> list[Episode]:
-    with self.lock:
-      rows = self.db.execute("SELECT state FROM episodes").fetchall()
-    return [Episode.from_state(r[0]) for r in rows]
-
-  def records(self) -> list[tuple[int, str, str]]:
-    with self.lock:
-      return self.db.execute("SELECT seq, traj_id, record FROM records ORDER BY seq").fetchall()
-
-  def save(self, ep: Episode) -> None:
-    self._tx([("INSERT OR REPLACE INTO episodes VALUES (?, ?)", (ep.id, ep.state()))])
-
-  def drop(self, episode_id: str) -> None:
-    self._tx([("DELETE FROM episodes WHERE id=?", (episode_id,))])
-
-  def finish(self, episode_id: str, records: list[tuple[int, str, str]], next_seq: int) -> None:
-    """Ends an episode and keeps its records, in one transaction."""
-    self._tx([("DELETE FROM episodes WHERE id=?", (episode_id,)),
-              *[("INSERT INTO records VALUES (?, ?, ?)", r) for r in records],
-              ("INSERT OR REPLACE INTO meta VALUES ('next_seq', ?)", (str(next_seq),))])
-
-  def count(self) -> int:
-    with self.lock:
-      return self.db.execute("SELECT COUNT(*) FROM records").fetchone()[0]
-
-  def acknowledged(self, traj_id: str) -> None:
-    self._tx([("DELETE FROM records WHERE traj_id=?", (traj_id,))])
-
-  def close(self):
-    with self.lock:
-      self.db.close()
-
-
-def record_json(t: Trajectory) -> str:
-  return json.dumps(dict(
-      prompt_id=t.prompt_id, prompt_tokens=t.prompt_tokens.tolist(),
-      completion_tokens=t.completion_tokens.tolist(), action_mask=t.action_mask.tolist(),
-      behavior_logp=t.behavior_logp.tolist(), reward=t.reward,
-      policy_version=t.policy_version.tolist(), finish_reason=t.finish_reason,
-      num_tool_calls=t.num_tool_calls, num_turns=t.num_turns, env=t.env, traj_id=t.traj_id))
-
-
-def record_from_json(text: str) -> Trajectory:
-  d = json.loads(text)
-  return Trajectory(
-      prompt_id=d["prompt_id"], prompt_tokens=np.asarray(d["prompt_tokens"], np.int32),
-      completion_tokens=np.asarray(d["completion_tokens"], np.int32),
-      action_mask=np.asarray(d["action_mask"], bool),
-      behavior_logp=np.asarray(d["behavior_logp"], np.float32), reward=float(d["reward"]),
-      policy_version=np.asarray(d["policy_version"], np.int32),
-      finish_reason=d["finish_reason"], num_tool_calls=d["num_tool_calls"],
-      num_turns=d["num_turns"], env=d["env"], traj_id=d["traj_id"])
 
 
 # --- the engine side ---
@@ -598,10 +201,11 @@ class Gateway:
     self.max_drift = 0
     self.calls = 0
     self.stop = threading.Event()
+    self.t0 = time.monotonic()
     self.outbox: queue.Queue = queue.Queue()
     pending = self.journal.records()
-    for _, _, rec in pending:
-      self.outbox.put(rec)
+    for t in pending:
+      self.outbox.put(t)
     if pending or self.open:
       log.info("gateway: resumed %d open episode(s) and %d unacknowledged record(s) from %s",
                len(self.open), len(pending), journal)
@@ -621,7 +225,7 @@ class Gateway:
     if episode_id is None:
       episode_id = uuid.uuid4().hex
     elif not isinstance(episode_id, str) or not EPISODE_ID.match(episode_id):
-      raise _bad("episode id must be 1-128 characters of [A-Za-z0-9._:-]")
+      raise bad_request("episode id must be 1-128 characters of [A-Za-z0-9._:-]")
     with self.lock:
       if episode_id in self.rewarded:
         raise GatewayError(409, "episode_finished",
@@ -648,9 +252,9 @@ class Gateway:
   def _generate(self, seq: list[int], s: Sampling, ep: Episode) -> Completion:
     budget = self.cfg.max_total_tokens - len(seq)
     if budget < 1:
-      raise _bad(f"the episode's segment holds {len(seq)} tokens, the most a record may hold "
-                 f"is {self.cfg.max_total_tokens} (agent.max_total_tokens)",
-                 "context_length_exceeded")
+      raise bad_request(f"the episode's segment holds {len(seq)} tokens, the most a record may "
+                        f"hold is {self.cfg.max_total_tokens} (agent.max_total_tokens)",
+                        "context_length_exceeded")
     with self.lock:
       self.calls += 1
       n = self.calls
@@ -673,6 +277,8 @@ class Gateway:
     seg.extend(c.token_ids, action=True, version=self.engine.version, logp=c.logprobs,
                versions=c.versions)
     seg.turns += 1
+    with self.lock:
+      self.m["sampled_tokens"] += len(c.token_ids)
     seg.finish_reason = "length" if c.finish_reason == "length" else "stop"
     last = c.token_ids[-1] if c.token_ids else None
     seg.stop_text = (self.tok.decode([last]) if c.finish_reason == "stop"
@@ -683,9 +289,9 @@ class Gateway:
 
   def _check_room(self, ep: Episode) -> None:
     if len(ep.segments) >= self.cfg.max_segments:
-      raise _bad(f"episode {ep.id!r} would start segment {len(ep.segments) + 1} (at most "
-                 f"{self.cfg.max_segments}); post its reward and start a new one",
-                 "too_many_segments")
+      raise bad_request(f"episode {ep.id!r} would start segment {len(ep.segments) + 1} (at most "
+                        f"{self.cfg.max_segments}); post its reward and start a new one",
+                        "too_many_segments")
 
   def _align_chat(self, ep: Episode, msgs, tools) -> tuple[Segment, str | None]:
     """(the segment this call feeds, why it is a new one): the last segment extended by the
@@ -705,7 +311,7 @@ class Gateway:
         reason = "tools_changed"
       else:
         r = self.renderer.render(msgs, tools, prev.replies + [j])
-        head = prev.rendered + _reply_mark(j)
+        head = prev.rendered + reply_mark(j)
         if r.exact and r.text.startswith(head):
           rest = r.text[len(head):]
           if prev.stop_text and rest.startswith(prev.stop_text):
@@ -749,8 +355,8 @@ class Gateway:
     return new
 
   def _call(self, ep: Episode, align, run):
-    """Aligns, generates and commits one call of `ep` (busy); returns the committed episode.
-    The open episode stays as it was if anything fails."""
+    """Aligns, generates and commits one call of `ep` (busy): (the committed episode, what
+    `run` returned, the segment). The open episode stays as it was if anything fails."""
     committed = None
     try:
       seg, reason = align()
@@ -765,9 +371,9 @@ class Gateway:
     msgs = normalize_messages(body.get("messages"), self.cfg.max_messages)
     tools = normalize_tools(body)
     if tools and self.renderer.fmt is None:
-      raise _bad("this model's chat template has no known tool-call format; set "
-                 f"gateway.tool_format to one of {tool_formats.FORMATS} to use tools",
-                 "tools_unsupported")
+      raise bad_request("this model's chat template has no known tool-call format; set "
+                        f"gateway.tool_format to one of {tool_formats.FORMATS} to use tools",
+                        "tools_unsupported")
     s = sampling(body, self.cfg.max_stop)
     ep = self._take(episode_id or body.get("episode_id"))
 
@@ -779,7 +385,7 @@ class Gateway:
       seg.tool_calls += len(parsed.calls)
       reply = {"role": "assistant", "content": parsed.content}
       if parsed.calls:
-        reply["tool_calls"] = [[t.name, _arguments(t.arguments)] for t in parsed.calls]
+        reply["tool_calls"] = [[t.name, canonical_arguments(t.arguments)] for t in parsed.calls]
       seg.last_reply = reply
       return c, parsed
 
@@ -822,9 +428,9 @@ class Gateway:
       vocab = self.tok.vocab_size
       if not prompt or not all(isinstance(t, int) and not isinstance(t, bool)
                                and 0 <= t < vocab for t in prompt):
-        raise _bad(f"prompt token ids must be a non-empty list of integers in [0, {vocab})")
+        raise bad_request(f"prompt token ids must be a non-empty list of integers in [0, {vocab})")
     elif not isinstance(prompt, str) or not prompt:
-      raise _bad("prompt must be a non-empty string or a list of token ids")
+      raise bad_request("prompt must be a non-empty string or a list of token ids")
     s = sampling(body, self.cfg.max_stop)
     ep = self._take(episode_id or body.get("episode_id"))
 
@@ -879,10 +485,10 @@ class Gateway:
     until the learner acknowledges them."""
     r = body.get("reward") if isinstance(body, dict) else None
     if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r):
-      raise _bad("reward must be a finite number")
+      raise bad_request("reward must be a finite number")
     prompt_id = body.get("prompt_id", "")
     if not isinstance(prompt_id, str) or len(prompt_id) > 256:
-      raise _bad("prompt_id must be a string of at most 256 characters")
+      raise bad_request("prompt_id must be a string of at most 256 characters")
     with self.lock:
       if episode_id in self.rewarded:
         raise GatewayError(409, "episode_finished", f"episode {episode_id!r} already has its "
@@ -909,7 +515,7 @@ class Gateway:
             policy_version=np.asarray(seg.versions, np.int32), finish_reason=seg.finish_reason,
             num_tool_calls=seg.tool_calls, num_turns=seg.turns, env="gateway",
             traj_id=f"{self.producer}/{seq0 + len(recs)}")
-        recs.append((seq0 + len(recs), t.traj_id, record_json(t)))
+        recs.append((seq0 + len(recs), t))
       try:
         self.journal.finish(ep.id, recs, seq0 + len(recs))
       except sqlite3.Error as e:
@@ -927,9 +533,9 @@ class Gateway:
     finally:
       with self.lock:
         self.busy.discard(episode_id)
-    for _, _, rec in recs:
-      self.outbox.put(rec)
-    return {"episode_id": ep.id, "records": [t for _, t, _ in recs],
+    for _, t in recs:
+      self.outbox.put(t)
+    return {"episode_id": ep.id, "records": [t.traj_id for _, t in recs],
             "segments": len(ep.segments), "drift_tokens": ep.drift_tokens}
 
   def episode(self, episode_id: str) -> dict:
@@ -957,10 +563,9 @@ class Gateway:
   def _send(self):
     while not self.stop.is_set():
       try:
-        rec = self.outbox.get(timeout=0.5)
+        t = self.outbox.get(timeout=0.5)
       except queue.Empty:
         continue
-      t = record_from_json(rec)
       self.client.push(t, self.stop)
       if self.acks == "sync" and not self.stop.is_set():
         self.acknowledged(t.traj_id)
@@ -1007,7 +612,8 @@ class Gateway:
   def stats(self) -> dict:
     with self.lock:
       return dict(engine_version=self.engine.version, trajectories=self.m["records"],
-                  tokens=0, uptime_s=0.0, inflight=len(self.busy))
+                  tokens=self.m["sampled_tokens"], uptime_s=time.monotonic() - self.t0,
+                  inflight=len(self.busy))
 
   def metrics(self) -> dict:
     with self.lock:

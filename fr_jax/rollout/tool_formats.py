@@ -33,6 +33,7 @@ FORMATS = ("hermes", "llama3_json", "mistral")
 MAX_REPLY_CHARS = 65_536
 MAX_CALLS = 16
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>\n", "\n</tool_response>"
 PYTHON_TAG = "<|python_tag|>"
 MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 
@@ -210,7 +211,7 @@ def write_calls(fmt: str, calls) -> str:
 
 
 # The result wrapper around a tool turn's text: (turn role, before, after, between results).
-_RESULTS = {"hermes": ("user", "<tool_response>\n", "\n</tool_response>", "\n"),
+_RESULTS = {"hermes": ("user", RESPONSE_OPEN, RESPONSE_CLOSE, "\n"),
             "llama3_json": ("ipython", "", "", "\n"),
             "mistral": ("user", "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "")}
 

@@ -1,0 +1,146 @@
+"""The gateway's episodes and their journal.
+
+An `Episode` is a list of `Segment`s: each one prompt and the turns fed after it, with what
+the engine sampled (tokens, behaviour log-probs, versions) and, for chat, the last call's
+messages, tools, marked rendering and reply (what the next call must extend).
+
+`Journal`: open episodes (as their JSON state) and rewarded records not yet acknowledged by
+the learner (`transport.codec` records), in an SQLite file in WAL mode with synchronous FULL,
+so a committed write survives a crash. `path=None` keeps them in memory only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sqlite3
+import threading
+
+from fr_jax.trajectory import Trajectory
+from fr_jax.transport import codec
+
+
+@dataclasses.dataclass
+class Segment:
+  kind: str  # chat | text
+  prompt_ids: list[int]
+  tokens: list[int] = dataclasses.field(default_factory=list)
+  mask: list[bool] = dataclasses.field(default_factory=list)
+  logp: list[float] = dataclasses.field(default_factory=list)
+  versions: list[int] = dataclasses.field(default_factory=list)
+  turns: int = 0
+  tool_calls: int = 0
+  finish_reason: str = "stop"
+  stop_text: str = ""  # the end-of-turn token the last turn sampled, as text
+  # chat: the last call's messages and tools, its rendering, the replies it marks, the reply
+  msgs: list = dataclasses.field(default_factory=list)
+  tools: list | None = None
+  rendered: str = ""
+  replies: list[int] = dataclasses.field(default_factory=list)
+  last_reply: dict | None = None
+  # text (/v1/completions with a string prompt): prompt and sampled text so far
+  text: str = ""
+
+  @property
+  def seq(self) -> list[int]:
+    return self.prompt_ids + self.tokens
+
+  def extend(self, ids, *, action: bool, version: int, logp=None, versions=None) -> None:
+    self.tokens += list(ids)
+    self.mask += [action] * len(ids)
+    self.logp += [float(x) for x in logp] if action else [0.0] * len(ids)
+    self.versions += ([int(v) for v in versions] if versions is not None
+                      else [version] * len(ids))
+
+  def copy(self) -> Segment:
+    return Segment(**json.loads(json.dumps(dataclasses.asdict(self))))
+
+
+@dataclasses.dataclass
+class Episode:
+  id: str
+  segments: list[Segment] = dataclasses.field(default_factory=list)
+  touched: float = 0.0
+  drift_tokens: int = 0
+  prompt_id: str = ""
+
+  def state(self) -> str:
+    return json.dumps(dataclasses.asdict(self))
+
+  @classmethod
+  def from_state(cls, text: str) -> Episode:
+    d = json.loads(text)
+    d["segments"] = [Segment(**s) for s in d["segments"]]
+    return cls(**d)
+
+
+class Journal:
+  """Open episodes and unacknowledged records (see the module docstring)."""
+
+  def __init__(self, path: str | None):
+    self.path = path or ":memory:"
+    self.db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+    self.lock = threading.Lock()
+    with self.lock:
+      if path:
+        self.db.execute("PRAGMA journal_mode=WAL")
+      self.db.execute("PRAGMA synchronous=FULL")
+      self.db.execute("CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT)")
+      self.db.execute("CREATE TABLE IF NOT EXISTS episodes (id TEXT PRIMARY KEY, state TEXT)")
+      self.db.execute("CREATE TABLE IF NOT EXISTS records "
+                      "(seq INTEGER PRIMARY KEY, traj_id TEXT UNIQUE, record BLOB)")
+
+  def _tx(self, statements):
+    with self.lock:
+      self.db.execute("BEGIN IMMEDIATE")
+      try:
+        for sql, args in statements:
+          self.db.execute(sql, args)
+        self.db.execute("COMMIT")
+      except BaseException:
+        self.db.execute("ROLLBACK")
+        raise
+
+  def meta(self, key: str, default: str) -> str:
+    with self.lock:
+      row = self.db.execute("SELECT v FROM meta WHERE k=?", (key,)).fetchone()
+    if row is None:
+      self._tx([("INSERT INTO meta VALUES (?, ?)", (key, default))])
+      return default
+    return row[0]
+
+  def episodes(self) -> list[Episode]:
+    with self.lock:
+      rows = self.db.execute("SELECT state FROM episodes").fetchall()
+    return [Episode.from_state(r[0]) for r in rows]
+
+  def records(self) -> list[Trajectory]:
+    """The unacknowledged records, in order."""
+    with self.lock:
+      rows = self.db.execute("SELECT record FROM records ORDER BY seq").fetchall()
+    return [codec.decode_record(r[0]) for r in rows]
+
+  def save(self, ep: Episode) -> None:
+    self._tx([("INSERT OR REPLACE INTO episodes VALUES (?, ?)", (ep.id, ep.state()))])
+
+  def drop(self, episode_id: str) -> None:
+    self._tx([("DELETE FROM episodes WHERE id=?", (episode_id,))])
+
+  def finish(self, episode_id: str, records: list[tuple[int, Trajectory]],
+             next_seq: int) -> None:
+    """Ends an episode and keeps its records ((seq, record) pairs), in one transaction."""
+    self._tx([("DELETE FROM episodes WHERE id=?", (episode_id,)),
+              *[("INSERT INTO records VALUES (?, ?, ?)", (q, t.traj_id, codec.encode_record(t)))
+                for q, t in records],
+              ("INSERT OR REPLACE INTO meta VALUES ('next_seq', ?)", (str(next_seq),))])
+
+  def count(self) -> int:
+    with self.lock:
+      return self.db.execute("SELECT COUNT(*) FROM records").fetchone()[0]
+
+  def acknowledged(self, traj_id: str) -> None:
+    self._tx([("DELETE FROM records WHERE traj_id=?", (traj_id,))])
+
+  def close(self):
+    with self.lock:
+      self.db.close()

@@ -98,7 +98,7 @@ def main(argv):
     from fr_jax.transport.client import LocalClient
     system.require_tokenizer(c, model)
     learner, service = system.build_service(c, model, admission_log=True)
-    client = LocalClient(service, FLAGS.worker_id)
+    client = LocalClient(service, FLAGS.worker_id, durable=True)
     version, params = service.weights(0)
     acks = "sync"
   engine = system.build_engine(c, model, params=params, version=version)

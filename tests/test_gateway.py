@@ -4,6 +4,12 @@ segments and drift, a restart on the journal, the parsers, and hostile clients."
 
 import dataclasses
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 import urllib.error
 import urllib.request
 
@@ -23,6 +29,7 @@ from fr_jax.rollout.embedded import EmbeddedEngine
 from fr_jax.rollout.gateway import Gateway, GatewayConfig, GatewayError, common_prefix
 from fr_jax.rollout.openai_http import GatewayServer
 from fr_jax.transport.client import LocalClient
+from tests import XLA_TEST_FLAGS
 
 KEY = "test-key"
 LEN = 1024  # tokens per record: the byte-level tokenizer spends one per character
@@ -38,6 +45,7 @@ class Recorder:
 
   def push(self, t, stop=None):
     self.got.append(t)
+    return True, "admitted"
 
   def heartbeat(self, stats):
     return None
@@ -100,7 +108,6 @@ def _serve(gateway):
 
 def _settle(gateway, n, timeout=60.0):
   """Waits until the gateway's sender has handed over n records."""
-  import time
   t_end = time.monotonic() + timeout
   while gateway.metrics().get("acked_admitted", 0) < n:
     assert time.monotonic() < t_end, gateway.metrics()
@@ -178,7 +185,6 @@ def test_training_on_gateway_episodes(tool_model, tmp_path):
     assert all(np.isfinite(r["loss"]) and r["acceptance_rate"] > 0 for r in updates)
     _settle(gw, 8)
     assert gw.metrics()["unacknowledged_records"] == 0
-    import time
     t_end = time.monotonic() + 60
     while gw.engine.version != 2:
       assert time.monotonic() < t_end, "the gateway never loaded version 2"
@@ -400,3 +406,65 @@ def test_http_refuses_hostile_clients(tiny_model):
   finally:
     server.shutdown()
     gw.close()
+
+
+def _launch(run_dir, port):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=XLA_TEST_FLAGS, FR_JAX_GATEWAY_KEY=KEY)
+  return subprocess.Popen(
+      [sys.executable, "-m", "launch.gateway", "--config=experiments/configs/tiny_test.py",
+       f"--run_dir={run_dir}", "--config.batch_size=2", "--config.max_updates=1",
+       f"--config.gateway.address=127.0.0.1:{port}"],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _up(port, proc, timeout=300.0):
+  t_end = time.monotonic() + timeout
+  while time.monotonic() < t_end:
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    try:
+      with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+        return
+    except OSError:
+      time.sleep(0.2)
+  raise AssertionError("launch.gateway did not come up")
+
+
+def test_launch_gateway_survives_sigkill(tmp_path):
+  """`launch.gateway` as a user runs it, killed with SIGKILL between calls: restarted on the
+  same run_dir it continues the open episode (no new segment), the rewarded one is not lost
+  and not trained on twice, and the learner takes its update on exactly the two episodes."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  chat = "/v1/chat/completions"
+  msg = lambda text: {"messages": [{"role": "user", "content": text}], "seed": 1}  # noqa: E731
+  p = _launch(tmp_path, port)
+  try:
+    _up(port, p)
+    status, first = _post(port, chat, json.dumps(msg("open")).encode(),
+                          headers={"X-Episode-Id": "a"})
+    assert status == 200
+    assert _post(port, chat, json.dumps(msg("done")).encode(),
+                 headers={"X-Episode-Id": "b"})[0] == 200
+    assert _post(port, "/v1/episodes/b/reward", b'{"reward": 1.0}')[0] == 200
+  finally:
+    p.send_signal(signal.SIGKILL)
+    p.wait(timeout=60)
+  p = _launch(tmp_path, port)
+  try:
+    _up(port, p)
+    body = msg("open")
+    body["messages"] += [first["choices"][0]["message"], {"role": "user", "content": "more"}]
+    status, again = _post(port, chat, json.dumps(body).encode(), headers={"X-Episode-Id": "a"})
+    assert status == 200 and again["segment"] == 0  # continued where it was
+    assert _post(port, "/v1/episodes/a/reward", b'{"reward": 0.0}')[0] == 200
+    out, err = p.communicate(timeout=300)
+  finally:
+    if p.poll() is None:
+      p.kill()
+  assert p.returncode == 0, err[-3000:]
+  last = json.loads(out.strip().splitlines()[-1])
+  assert last["version"] == 1 and last["gateway"]["unacknowledged_records"] == 0
+  rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  updates = [r for r in rows if "loss" in r]
+  assert len(updates) == 1 and updates[0]["trajectories"] == 2, updates

@@ -256,10 +256,11 @@ def test_help_shows_no_secret_values():
   """`--help` of every command that takes a credential from the environment names the
   variable, never its value (the defaults used to be the values: `--help` printed them)."""
   secrets = {"FR_JAX_TOKEN": "tok-3f9a1c", "SGLANG_API_KEY": "key-77b2e0",
-             "FR_JAX_LEARNER_SECRET": "sec-c41d08"}
+             "FR_JAX_LEARNER_SECRET": "sec-c41d08", "FR_JAX_GATEWAY_KEY": "gw-5e21aa"}
   procs = {m: subprocess.Popen([sys.executable, "-m", m, "--help"], stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, env=dict(ENV, **secrets))
-           for m in ("launch.learner", "launch.worker", "launch.weight_relay", "launch.router")}
+           for m in ("launch.learner", "launch.worker", "launch.weight_relay", "launch.router",
+                     "launch.gateway")}
   for m, p in procs.items():
     out = p.communicate(timeout=120)[0]
     assert "usage" in out.lower() or "flags" in out.lower(), (m, out[-500:])

@@ -82,7 +82,7 @@ from fr_jax.rollout.chat_render import (
 from fr_jax.rollout.embedded import common_prefix
 from fr_jax.rollout.engine import Completion, Request
 from fr_jax.rollout.gateway_state import Episode, Journal, Segment
-from fr_jax.trajectory import Trajectory
+from fr_jax.trajectory import RETRY_REASONS, Trajectory
 
 log = logging.getLogger("fr_jax.gateway")
 
@@ -174,9 +174,11 @@ class Batcher:
 
 class Gateway:
   """Episodes from OpenAI-style calls on `engine`; rewarded ones go to `client` (the worker's
-  client interface: push, heartbeat, get_weights). `acks="sync"`: push returns once the
-  learner holds the record (LocalClient); `acks="callback"`: the client calls `acknowledged`
-  (GrpcClient's on_ack)."""
+  client interface: push, heartbeat, get_weights).
+  * `acks="sync"`: push returns (admitted, reason) once the learner holds the record or has
+    refused it for good: LocalClient with `durable=True`, so that what it acknowledges is in
+    the learner's admission log;
+  * `acks="callback"`: the client calls `acknowledged` (GrpcClient's on_ack)."""
 
   def __init__(self, engine, tokenizer, client, cfg: GatewayConfig | None = None, *,
                journal: str | None = None, acks: str = "sync", engine_errors: tuple = (),
@@ -566,9 +568,9 @@ class Gateway:
         t = self.outbox.get(timeout=0.5)
       except queue.Empty:
         continue
-      self.client.push(t, self.stop)
-      if self.acks == "sync" and not self.stop.is_set():
-        self.acknowledged(t.traj_id)
+      got = self.client.push(t, self.stop)
+      if self.acks == "sync" and got is not None and (got[0] or got[1] not in RETRY_REASONS):
+        self.acknowledged(t.traj_id, *got)
 
   def _reap(self):
     every = max(0.05, min(30.0, self.cfg.episode_timeout_s / 4))

@@ -54,19 +54,27 @@ STREAM_UP_S = 1.0  # a stream that broke after this long was established: back o
 class LocalClient:
   """In-process: calls the LearnerService directly."""
 
-  def __init__(self, service, worker_id: str = "local"):
+  def __init__(self, service, worker_id: str = "local", *, durable: bool = False):
     self.service, self.worker_id = service, worker_id
+    # durable: hand the service each record serialised, so a service that keeps an admission
+    # log writes it there before admitting it (a producer that forgets what the learner
+    # acknowledged, such as the gateway's journal, needs it to survive a crash).
+    self.durable = durable
     self.acks = collections.Counter()
 
-  def push(self, traj, stop: threading.Event | None = None) -> None:
+  def push(self, traj, stop: threading.Event | None = None) -> tuple[bool, str]:
+    """Offers `traj` until it is admitted or refused for good (or `stop`, or the service
+    shuts down); returns the last (admitted, reason)."""
+    raw = codec.encode_record(traj) if self.durable else None
     while True:
-      ok, reason = self.service.offer(traj, timeout=1.0)
+      ok, reason = self.service.offer(traj, timeout=1.0, raw=raw)
       if reason not in RETRY_REASONS or self.service.shutdown.is_set() or (
           stop and stop.is_set()):
         break
       if reason == "log_unavailable":
         time.sleep(0.5)
     self.acks["admitted" if ok else reason] += 1
+    return ok, reason
 
   def get_weights(self, min_version: int):
     got = self.service.weights(min_version)

@@ -468,3 +468,29 @@ def test_launch_gateway_survives_sigkill(tmp_path):
   rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   updates = [r for r in rows if "loss" in r]
   assert len(updates) == 1 and updates[0]["trajectories"] == 2, updates
+
+
+def test_full_journal_keeps_the_episode_as_it_was(tiny_model, tmp_path):
+  """A journal that cannot grow (SQLite's SQLITE_FULL, as on a full disk, here through
+  max_page_count) answers a call 503 journal_unavailable: its turn is not kept, the episode
+  stays as it was, and the agent's retry is kept once there is room."""
+  gw = Gateway(_engine(tiny_model), tiny_model.tokenizer, Recorder(),
+               GatewayConfig(max_new_tokens=4), journal=str(tmp_path / "gateway.db"),
+               follow_weights=False)
+  try:
+    msgs = [{"role": "user", "content": "x"}]
+    gw.chat({"messages": msgs, "seed": 1}, "e")
+    before = gw.open["e"].state()
+    pages = gw.journal.db.execute("PRAGMA page_count").fetchone()[0]
+    gw.journal.db.execute(f"PRAGMA max_page_count={pages}")
+    big = msgs + [{"role": "user", "content": "y" * 700}]
+    with pytest.raises(GatewayError) as e:
+      gw.chat({"messages": big, "seed": 2}, "e")
+    assert (e.value.status, e.value.code) == (503, "journal_unavailable")
+    assert gw.open["e"].state() == before and "e" not in gw.busy
+    assert gw.metrics()["journal_errors"] == 1
+    gw.journal.db.execute("PRAGMA max_page_count=1073741823")
+    assert gw.chat({"messages": big, "seed": 2}, "e")["segment"] == 1  # the retry is kept
+    assert len(gw.reward("e", {"reward": 1.0})["records"]) == 2
+  finally:
+    gw.close()

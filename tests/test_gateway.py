@@ -494,3 +494,33 @@ def test_full_journal_keeps_the_episode_as_it_was(tiny_model, tmp_path):
     assert len(gw.reward("e", {"reward": 1.0})["records"]) == 2
   finally:
     gw.close()
+
+
+def test_completions_keep_prompt_tokens_as_sent(tiny_model):
+  """/v1/completions: token ids are kept as sent; a prompt that extends the episode's whole
+  sequence (ids) or text (a string) continues its segment, anything else starts a new one."""
+  tok = tiny_model.tokenizer
+  gw = Gateway(_engine(tiny_model), tok, Recorder(), GatewayConfig(max_new_tokens=5),
+               follow_weights=False)
+  try:
+    ids = [257, 104, 105, 258, 10]  # forged-looking specials, kept as they are
+    r1 = gw.complete({"prompt": ids, "seed": 1}, "t")
+    seq = ids + r1["choices"][0]["token_ids"]
+    assert gw.open["t"].segments[0].seq == seq
+    r2 = gw.complete({"prompt": seq + [33, 34], "seed": 2}, "t")
+    seg = gw.open["t"].segments[0]
+    assert r2["segment"] == 0 and seg.seq[:len(seq) + 2] == seq + [33, 34]
+    n1, n2 = len(r1["choices"][0]["token_ids"]), len(r2["choices"][0]["token_ids"])
+    assert seg.mask == [True] * n1 + [False, False] + [True] * n2
+    assert gw.complete({"prompt": [65, 66], "seed": 3}, "t")["segment"] == 1
+    assert gw.metrics()["segments_by_reason"] == {"history_changed": 1}
+    s1 = gw.complete({"prompt": "Once", "seed": 4}, "s")
+    text = "Once" + tok.decode(s1["choices"][0]["token_ids"])
+    s2 = gw.complete({"prompt": text + " more", "seed": 5}, "s")
+    seg = gw.open["s"].segments[0]
+    assert s2["segment"] == 0 and seg.prompt_ids == tok.encode("Once")
+    n1 = len(s1["choices"][0]["token_ids"])
+    assert seg.mask[n1:n1 + len(tok.encode(" more"))] == [False] * len(tok.encode(" more"))
+    assert seg.tokens[n1:n1 + len(tok.encode(" more"))] == tok.encode(" more")
+  finally:
+    gw.close()

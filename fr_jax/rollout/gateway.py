@@ -87,8 +87,6 @@ from fr_jax.trajectory import RETRY_REASONS, Trajectory
 log = logging.getLogger("fr_jax.gateway")
 
 EPISODE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-SPLIT_REASONS = ("history_changed", "reply_changed", "tools_changed",
-                 "template_not_append_only", "endpoint_changed")
 
 
 @dataclasses.dataclass
@@ -268,7 +266,8 @@ class Gateway:
     try:
       c = self.batcher.generate(req) if self.batcher else self.engine.generate([req])[0]
     except self.engine_errors as e:
-      self.m["engine_errors"] += 1
+      with self.lock:
+        self.m["engine_errors"] += 1
       raise GatewayError(503, "engine_unavailable", f"the engine failed: {e}") from None
     if c.finish_reason == "abort":
       raise GatewayError(503, "engine_unavailable", "the engine aborted the request")
@@ -340,7 +339,7 @@ class Gateway:
       if ep.segments:
         prev = ep.segments[-1].seq
         drift = len(prev) - common_prefix(prev, seg.prompt_ids)
-    new = Episode(ep.id, segments, time.time(), ep.drift_tokens + drift, ep.prompt_id)
+    new = Episode(ep.id, segments, time.time(), ep.drift_tokens + drift)
     try:
       self.journal.save(new)
     except sqlite3.Error as e:

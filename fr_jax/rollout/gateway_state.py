@@ -62,7 +62,6 @@ class Episode:
   segments: list[Segment] = dataclasses.field(default_factory=list)
   touched: float = 0.0
   drift_tokens: int = 0
-  prompt_id: str = ""
 
   def state(self) -> str:
     return json.dumps(dataclasses.asdict(self))

@@ -11,7 +11,7 @@ warm start teaches the model to. Batches of 8 rewarded episodes; 2 updates, then
 stops.
 
 Hardware: a 2-core CPU suffices. Measured time there, with the agent sharing the cores: 16
-episodes and both updates in about 5 minutes (139 s per update).
+episodes and both updates in 3-5 minutes (80-139 s per update, alone or beside other work).
 """
 
 from fr_jax import config as rcfg

@@ -33,7 +33,10 @@ from tests import XLA_TEST_FLAGS
 
 KEY = "test-key"
 LEN = 1024  # tokens per record: the byte-level tokenizer spends one per character
-SYSTEM = "Use the python tool to compute.\n\n" + tool_formats.describe("hermes", agent.TOOLS)
+# The equality test's tool, described as briefly as the API allows: the byte-level tokenizer
+# spends a token per character, and the warm start's cost grows with the conversation.
+TOOL = [{"type": "function", "function": {"name": "python"}}]
+SYSTEM = tool_formats.describe("hermes", TOOL)  # what the gateway writes for it
 
 
 class Recorder:
@@ -81,15 +84,15 @@ def _config(run_dir, **over):
 
 @pytest.fixture(scope="module")
 def tool_model(tmp_path_factory):
-  """tiny-chat after the production warm start (fr_jax.sft) on two tool conversations in the
-  gateway's Hermes layout: greedy, it calls the tool, then answers with the tool's output."""
+  """tiny-chat after the production warm start (fr_jax.sft) on one tool conversation in the
+  gateway's Hermes layout: greedy, it calls the tool (and then answers)."""
   d = tmp_path_factory.mktemp("sft")
   data = d / "data.jsonl"
-  data.write_text("".join(json.dumps(_conversation(x, y)) + "\n"
-                          for x, y in [(123, 45), (678, 21)]))
-  c = _config(d, **{"sft.steps": 200, "sft.batch_size": 2, "sft.lr": 1e-2,
+  data.write_text(json.dumps(_conversation(123, 45)) + "\n")
+  c = _config(d, **{"sft.steps": 200, "sft.batch_size": 1, "sft.lr": 1e-2,
                     "sft.checkpoint_every": 1000, "sft.data": str(data),
-                    "packing.row_buckets": (2,)})
+                    "packing.row_buckets": (1,), "packing.row_len": 704,
+                    "agent.max_total_tokens": 704})
   m = registry.load("tiny-chat")
   out = sft.warm_start(c, m, str(d / "run"), progress=False)
   return dataclasses.replace(m, params=out["params"])
@@ -115,8 +118,8 @@ def _settle(gateway, n, timeout=60.0):
 
 
 class _Env(Arithmetic):
-  """Arithmetic whose system turn is the one the gateway renders for the agent's request
-  (its system text, then the Hermes description of its tools)."""
+  """Arithmetic whose system turn is the one the gateway renders for the agent's request (no
+  system text of its own: the Hermes description of its tool alone)."""
 
   @property
   def system_prompt(self):
@@ -133,9 +136,9 @@ def test_openai_agent_records_equal_the_agent_loop(tool_model):
   rewards = []
   try:
     for k, (x, y) in enumerate(questions):  # the agent, through HTTP and the openai client
-      reward, calls = agent.episode(client, f"ep-{k}", "Use the python tool to compute.",
-                                    f"What is {x} * {y}?", x * y, seed=7 + k, temperature=0.0,
-                                    tool_cost=0.0, max_tokens=96)
+      reward, calls = agent.episode(client, f"ep-{k}", "", f"What is {x} * {y}?", x * y,
+                                    seed=7 + k, temperature=0.0, tool_cost=0.0, max_tokens=96,
+                                    tools=TOOL)
       assert calls == 1  # the warm start taught the call; its answer may still be wrong
       rewards.append(reward)
     _settle(gw, 2)

@@ -45,14 +45,14 @@ def calc(code: str) -> str:
 
 
 def episode(client, episode_id, system, question, answer, *, seed, temperature=1.0,
-            max_turns=3, max_tokens=64, tool_cost=0.1):
+            max_turns=3, max_tokens=64, tool_cost=0.1, tools=TOOLS):
   """Runs one episode through the gateway and posts its reward; returns (reward, calls)."""
   messages = ([{"role": "system", "content": system}] if system else []) + [
       {"role": "user", "content": question}]
   calls, reply = 0, ""
   for turn in range(max_turns):
     r = client.chat.completions.create(
-        model="fr_jax", messages=messages, tools=TOOLS, temperature=temperature,
+        model="fr_jax", messages=messages, tools=tools, temperature=temperature,
         max_tokens=max_tokens, seed=(seed * 1_000_003 + turn) % 2**32,
         extra_headers={"X-Episode-Id": episode_id})
     msg = r.choices[0].message

@@ -238,13 +238,32 @@ def _eval(s: Setting, model_cfg, params, tok) -> dict:
   return out
 
 
+def curve_point(m: dict, version: int) -> dict:
+  """One update's training figures, from the learner's metrics."""
+  return dict(version=version, reward=m["reward_mean"], acceptance=m["acceptance_rate"],
+              entropy=m["entropy"], kl_proxy_mean=m["kl_proxy_mean"],
+              kl_proxy_max=m["kl_proxy_max"], ratio_max=m["ratio_max"],
+              length=m["response_length"], truncation=m["truncation_rate"],
+              tool_calls=m["tool_calls"], policy_lag=m["policy_lag_mean"], finite=m["finite"])
+
+
+def log_point(log: Callable[[str], None], p: dict):
+  log(f"  v{p['version']}: reward {p['reward']:.2f} acceptance {p['acceptance']:.2f} entropy "
+      f"{p['entropy']:.2f} length {p['length']:.1f} tool calls {p['tool_calls']:.2f}")
+
+
 def rl_loop(learner, engine, loop, env, *, updates: int, lag: int, batch_size: int,
             seed: int, minibatches: int = 1, group_size: int = 1, params0=None,
-            log: Callable[[str], None] | None = None) -> dict:
+            log: Callable[[str], None] | None = None,
+            on_update: Callable[[int], None] | None = None) -> dict:
   """Updates `learner` to version `updates` on rollouts sampled at an exact policy lag: the
   rollouts for update t come from the snapshot of version max(0, t - lag). Returns the
-  per-update curve, the prompts covered, the rollouts made and the training seconds."""
+  per-update curve (with the rollouts consumed and the training seconds so far), the prompts
+  covered, the rollouts made and the training seconds. `on_update(point)` runs after each
+  update with its curve point (a held-out evaluation); its time is not counted as training
+  time."""
   t_train = time.perf_counter()
+  paused = 0.0
   snapshots = {0: jax.device_get(learner.params) if params0 is None else params0}
   prompts = iter(prompt_dataset(env, "train", seed=seed))
   covered: set = set()
@@ -268,19 +287,16 @@ def rl_loop(learner, engine, loop, env, *, updates: int, lag: int, batch_size: i
     snapshots[learner.version] = jax.device_get(learner.params)
     for old in [k for k in snapshots if k < learner.version - lag]:
       del snapshots[old]
-    curve.append(dict(version=learner.version, reward=m["reward_mean"],
-                      acceptance=m["acceptance_rate"], entropy=m["entropy"],
-                      kl_proxy_mean=m["kl_proxy_mean"], kl_proxy_max=m["kl_proxy_max"],
-                      ratio_max=m["ratio_max"],
-                      length=m["response_length"], truncation=m["truncation_rate"],
-                      tool_calls=m["tool_calls"], policy_lag=m["policy_lag_mean"],
-                      finite=m["finite"]))
+    curve.append(dict(curve_point(m, learner.version), rollouts=rollouts,
+                      wall_s=round(time.perf_counter() - t_train - paused, 2)))
     if log and (learner.version % 10 == 0 or learner.version >= updates):
-      log(f"  v{learner.version}: reward {m['reward_mean']:.2f} acceptance "
-          f"{m['acceptance_rate']:.2f} entropy {m['entropy']:.2f} length "
-          f"{m['response_length']:.1f} tool calls {m['tool_calls']:.2f}")
+      log_point(log, curve[-1])
+    if on_update is not None:
+      t0 = time.perf_counter()
+      on_update(curve[-1])
+      paused += time.perf_counter() - t0
   return dict(curve=curve, prompts_covered=len(covered), rollouts=rollouts,
-              train_wall_s=round(time.perf_counter() - t_train, 2))
+              train_wall_s=round(time.perf_counter() - t_train - paused, 2))
 
 
 def run(s: Setting, seed: int, *, log: Callable[[str], None] | None = None) -> dict:

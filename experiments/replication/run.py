@@ -5,6 +5,7 @@ r"""Replication runner: the paper's ablation directions at CPU scale, several se
   .venv/bin/python -m experiments.replication.run --only=gate_on_off   # one comparison
   .venv/bin/python -m experiments.replication.run --only=fast --seeds=2 # the tiny plumbing check
   .venv/bin/python -m experiments.replication.run --only=tool_use_lm --seeds=3  # SmolLM2, slow
+  .venv/bin/python -m experiments.replication.run --only=headline_lm --seeds=3  # ~75 min
   make replication
 
 Writes to --out (default runs/replication): `results.json` (every run: curves, held-out
@@ -16,8 +17,8 @@ comparison updates only its rows. Summaries and the table are always recomputed.
 
 Setting: the `digits` tasks on a warm-started tiny model (`experiments/replication/driver.py`
 says why and how). These runs test the method's mechanisms, not the paper's numbers. The
-eighth, `tool_use_lm`, runs on SmolLM2-135M-Instruct (`experiments/replication/lm.py`); it
-takes hours on 2 cores, so only --only=tool_use_lm runs it.
+eighth and ninth, `tool_use_lm` and the headline `headline_lm`, run on SmolLM2-135M-Instruct
+(`experiments/replication/lm.py`); they take hours on 2 cores, so only --only runs them.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from experiments.replication import comparisons as comps
 from experiments.replication import stats
 
 flags.DEFINE_list("only", [], "comparisons to run (default: the seven on the tiny model); "
-                  "`fast` = the tiny check; `tool_use_lm` = the slow one on SmolLM2")
+                  "`fast` = the tiny check; `tool_use_lm`, `headline_lm` = the slow ones on "
+                  "SmolLM2")
 flags.DEFINE_integer("seeds", 5, "seeds per arm (>= 2 for intervals)")
 flags.DEFINE_string("out", "runs/replication", "output directory")
 flags.DEFINE_bool("rerun", False, "run comparisons again even if results.json has them")
@@ -51,8 +53,11 @@ def settings_json(c: comps.Comparison) -> dict:
   return {arm: dataclasses.asdict(s) for arm, s in c.arms.items()}
 
 
-def run_comparison(c: comps.Comparison, seeds: int, have: dict | None = None) -> dict:
-  """Runs every arm for seeds 0..seeds-1; seeds already in `have` (same settings) are kept."""
+def run_comparison(c: comps.Comparison, seeds: int, have: dict | None = None,
+                   on_run=None) -> dict:
+  """Runs every arm for seeds 0..seeds-1; seeds already in `have` (same settings) are kept.
+  `on_run(runs)` is called after each run (the runner saves them: a slow comparison that is
+  interrupted resumes from its last finished run)."""
   from experiments.replication import driver
   runs = {arm: [r for r in (have or {}).get(arm, []) if r["seed"] < seeds] for arm in c.arms}
   for seed in range(seeds):
@@ -64,6 +69,8 @@ def run_comparison(c: comps.Comparison, seeds: int, have: dict | None = None) ->
            f"{f' (lag {s.lag})' if s.lag else ''}")
       r = s.run(seed, log=_say) if hasattr(s, "run") else driver.run(s, seed, log=_say)
       runs[arm].append(r)
+      if on_run is not None:
+        on_run(runs)
       _say(f"[{c.name}] {arm} seed {seed}: held-out accuracy {r['start']['accuracy']:.3f} -> "
            f"{r['end']['accuracy']:.3f} ({time.perf_counter() - t0:.0f}s)")
   return dict(settings=settings_json(c), seeds=seeds, runs=runs)
@@ -97,6 +104,8 @@ def markdown(results: dict) -> str:
          "second). Setting: `digits` tasks, warm-started tiny-chat model, except where a "
          "comparison says otherwise (see docs/replication.md).", ""]
   for name, res in results["comparisons"].items():
+    if "summary" not in res:  # unfinished
+      continue
     c = comps.get(name)
     s = res["summary"]
     out += [f"## {c.title}", "", f"Task: {c.task}. Seeds: {res['seeds']}. "
@@ -140,14 +149,48 @@ def plot(name: str, res: dict, path: Path):
   plt.close(fig)
 
 
+def plot_evals(name: str, res: dict, path: Path):
+  """Held-out accuracy against rollouts consumed and against training seconds: each seed's
+  evaluations (thin) and the seed mean at each evaluation (thick), per arm."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  import numpy as np
+  fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+  for i, (arm, rs) in enumerate(res["runs"].items()):
+    color = f"C{i}"
+    n = min(len(r["evals"]) for r in rs)
+    for ax, key in zip(axes, ("rollouts", "wall_s")):
+      for r in rs:
+        ax.plot([e[key] for e in r["evals"]], [e["accuracy"] for e in r["evals"]],
+                color=color, alpha=0.25, lw=0.8)
+      x = np.mean([[e[key] for e in r["evals"][:n]] for r in rs], axis=0)
+      y = np.mean([[e["accuracy"] for e in r["evals"][:n]] for r in rs], axis=0)
+      ax.plot(x, y, color=color, lw=2, marker="o", label=arm)
+  axes[0].set_xlabel("rollouts consumed")
+  axes[1].set_xlabel("training seconds on this machine (evaluations excluded)")
+  for ax in axes:
+    ax.set_ylabel("held-out accuracy")
+  axes[0].legend(fontsize=8)
+  fig.suptitle(f"{name}: held-out accuracy (thin: each of {res['seeds']} seeds; thick: mean)")
+  fig.tight_layout()
+  fig.savefig(path, dpi=90)
+  plt.close(fig)
+
+
 def _write(results: dict, path: Path, out: Path):
   """results.json and results.md, every comparison's summary recomputed from its runs."""
   for name, res in results["comparisons"].items():
-    res["summary"] = summarise(comps.get(name), res)
+    if res["seeds"] > 0:  # not an unfinished one (seeds -1: its runs so far, kept to resume)
+      res["summary"] = summarise(comps.get(name), res)
+  _save_json(results, path)
+  (out / "results.md").write_text(markdown(results))
+
+
+def _save_json(results: dict, path: Path):
   tmp = path.with_suffix(".tmp")
   tmp.write_text(json.dumps(results, separators=(",", ":"), default=float))
   tmp.replace(path)
-  (out / "results.md").write_text(markdown(results))
 
 
 def main(argv):
@@ -176,13 +219,21 @@ def main(argv):
       continue
     t0 = time.perf_counter()
     same = old and not F.rerun and old["settings"] == settings_json(c)
-    res = run_comparison(c, F.seeds, old["runs"] if same else None)
+
+    def save_partial(runs, n=n, c=c):
+      results["comparisons"][n] = dict(settings=settings_json(c), seeds=-1, runs=runs,
+                                       wall_s=0.0)
+      _save_json(results, path)
+
+    res = run_comparison(c, F.seeds, old["runs"] if same else None, on_run=save_partial)
     res["wall_s"] = round(time.perf_counter() - t0 + (old["wall_s"] if same else 0.0), 1)
     results["comparisons"][n] = res
     results["machine"] = {"cpu_count": os.cpu_count(), "platform": sys.platform}
     _write(results, path, out)  # after each comparison: an interrupt loses only the current one
     if F.plots:
       plot(n, res, out / f"{n}.png")
+      if all("evals" in r for rs in res["runs"].values() for r in rs):
+        plot_evals(n, res, out / f"{n}_curves.png")
     for cl in results["comparisons"][n]["summary"]["claims"]:
       _say(f"[{n}] {cl['metric']}: {cl['first']} vs {cl['second']}: "
            f"{_fmt(cl['diff'], cl['metric'])} -> {cl['verdict']}")

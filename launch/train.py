@@ -12,6 +12,8 @@ on `config.eval.n` test tasks; also every `config.eval.every` updates, all in ev
 plot.png and summary.json. With `config.sft.steps > 0` a supervised warm start
 (`launch.sft`, into run_dir/sft) runs first, and the base model is evaluated before it; the
 summary then holds a per-difficulty table of the base, warm-started and final models.
+The time each stage took (model load, evaluations, warm start, RL updates) is printed at the
+end and kept in the summary as `stage_seconds`.
 Ctrl-C stops after the current step with a checkpoint; the same command resumes from the last
 checkpoint. A progress bar
 shows reward, acceptance rate, tokens/s, lag and queue depth; the last stdout line is the run
@@ -107,11 +109,15 @@ def main(argv):
   common.require_tool_isolation(c)
   if c.sft.steps and not c.run_dir:
     common.fail("sft.steps > 0 needs --run_dir (the warm start is saved in run_dir/sft)")
+  t0 = time.time()
   model = common.load_model(c)
   from fr_jax import config as rcfg
   from fr_jax import system
   from launch.progress import Progress
-  t0 = time.time()
+  times = {"load": time.time() - t0}  # stage -> seconds in this invocation
+
+  def timed(stage, t):
+    times[stage] = times.get(stage, 0.0) + time.time() - t
   run = c.run_dir
   path = lambda name: os.path.join(run, name)  # noqa: E731
   stop = common.stop_on_interrupt()
@@ -123,11 +129,15 @@ def main(argv):
   if c.sft.steps:
     from fr_jax.sft import SFTDataError, warm_start
     if evals:
+      t = time.time()
       stages["base"] = evals.run("base", 0, model.params, "the base model")
+      timed("base_eval", t)
+    t = time.time()
     try:
       warm = warm_start(c, model, path("sft"), stop=stop)
     except (SFTDataError, FileNotFoundError) as e:
       common.fail(str(e))
+    timed("warm_start", t)
     if not warm["finished"]:
       print(f"interrupted in the warm start at step {warm['steps']}; run the same command to "
             "resume", file=sys.stderr)
@@ -137,9 +147,11 @@ def main(argv):
       evals.model = model
   ev_start = None
   if evals:
+    t = time.time()
     ev_start = evals.run("sft" if c.sft.steps else "rl", 0, model.params,
                          "the warm-started model" if c.sft.steps else "the starting model")
     stages["sft" if c.sft.steps else "start"] = ev_start
+    timed("start_eval", t)
     json.dump(ev_start, open(path("eval_start.json"), "w"), indent=1)
   final: dict = {}
 
@@ -147,20 +159,26 @@ def main(argv):
     bar.update(m, service)
     every = c.eval.every
     if evals and every and service.version % every == 0 and service.version < c.max_updates:
+      t = time.time()
       v, params = service.weights(0)
       evals.run("rl", v, params, f"version {v}")
+      timed("rl_evals", t)
 
+  t_rl = time.time()
   try:
     with Progress(c.max_updates) as bar:
       summary = system.train_in_process(c, model=model, on_update=lambda m, s: on_update(m, s, bar),
                                         stop=stop, final=final)
   except rcfg.ConfigError as e:
     common.fail(f"config error: {e}")
+  times["rl"] = time.time() - t_rl - times.get("rl_evals", 0.0)  # the updates alone
   if stop.is_set():
     print(f"interrupted at version {summary['version']}; run the same command to resume",
           file=sys.stderr)
   elif evals:
+    t = time.time()
     ev_end = evals.run("rl", final["version"], final["params"], f"version {final['version']}")
+    timed("end_eval", t)
     json.dump(ev_end, open(path("eval_end.json"), "w"), indent=1)
     stages["rl"] = ev_end
     summary.update(heldout_accuracy_start=ev_start["accuracy"],
@@ -175,6 +193,9 @@ def main(argv):
     from fr_jax.plots import plot_run
     summary["plot"] = plot_run(run)
   summary["wall_s"] = round(time.time() - t0, 1)
+  summary["stage_seconds"] = {k: round(v, 1) for k, v in times.items()}
+  print("time per stage: " + ", ".join(f"{k} {v:.0f} s" for k, v in times.items())
+        + f"; total {summary['wall_s']:.0f} s", file=sys.stderr, flush=True)
   if run:
     json.dump(summary, open(path("summary.json"), "w"), indent=1, default=str)
   common.print_json(summary)

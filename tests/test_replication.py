@@ -128,6 +128,97 @@ def test_driver_samples_at_the_exact_lag():
   assert g["rollouts"] == 8 and g["prompts_covered"] == 4  # 2 prompts x G=2 per update
 
 
+def test_rl_loop_curve_counts_rollouts_and_excludes_evaluation_time():
+  import dataclasses
+  import time
+
+  from fr_jax.learner.learner import Learner
+  from fr_jax.rollout.agent import AgentLoop
+  from fr_jax.rollout.embedded import EmbeddedEngine
+  s = driver.Setting(updates=3, batch_size=4, group_size=2, loss="grpo", eval_n=4,
+                     sft_steps=2, sft_batch=4, max_new_tokens=6, copy_check=0.0)
+  params0, _ = driver.warm_start(s, 0)
+  model = dataclasses.replace(driver.load_model(0, s.width), params=params0)
+  learner = Learner(driver.learner_config(s, 0), model=model)
+  engine = EmbeddedEngine(model.config, params0, tokenizer=model.tokenizer, num_slots=8,
+                          max_len=s.agent().engine_max_len)
+  loop = AgentLoop(engine, model.tokenizer, s.env(), s.agent())
+  seen = []
+
+  def evaluate(point):  # an evaluation: 1 s that is not training time
+    seen.append(dict(point))
+    time.sleep(1.0)
+
+  t0 = time.perf_counter()
+  r = driver.rl_loop(learner, engine, loop, s.env(), updates=3, lag=0, batch_size=4, seed=0,
+                     group_size=2, params0=params0, on_update=evaluate)
+  elapsed = time.perf_counter() - t0
+  learner.close()
+  assert [p["rollouts"] for p in r["curve"]] == [4, 8, 12] and r["prompts_covered"] == 6
+  assert seen == r["curve"]  # called after each update with its point
+  walls = [p["wall_s"] for p in r["curve"]]
+  assert walls == sorted(walls) and walls[-1] <= r["train_wall_s"]
+  # the three 1-second evaluations are outside the clock, and nothing else is
+  assert elapsed - 3.0 - 0.5 < r["train_wall_s"] < elapsed - 2.9
+
+
+def test_runner_saves_each_run_and_resumes_an_unfinished_comparison(tmp_path):
+  import dataclasses
+  import json
+
+  from experiments.replication import run as runner
+
+  @dataclasses.dataclass(frozen=True)
+  class Arm:  # an arm whose "run" is arithmetic on the seed: the runner's bookkeeping only
+    offset: float
+    speed: float  # training seconds per update
+
+    def run(self, seed, log=None):
+      acc = 0.1 * seed + self.offset
+      evals = [dict(version=v, rollouts=4 * v, wall_s=self.speed * v, accuracy=acc * v / 2)
+               for v in (0, 1, 2)]
+      return dict(seed=seed, start=dict(accuracy=0.0), end=dict(accuracy=acc),
+                  gain=dict(accuracy=acc), evals=evals,
+                  curve=[dict(version=v, reward=acc, entropy=1.0, acceptance=1.0)
+                         for v in (1, 2)])
+
+  c = comps.Comparison("stub", "stub", "t", "p", {"a": Arm(0.5, 1.0), "b": Arm(0.2, 2.0)},
+                       ("end.accuracy", "gain.accuracy"),
+                       (comps.Claim("end.accuracy", "a", "b", True, "x"),
+                        comps.Claim("equal_time.accuracy", "a", "b", True, "x")))
+  calls = []
+  res = runner.run_comparison(c, 2, on_run=lambda runs: calls.append(
+      {arm: [r["seed"] for r in rs] for arm, rs in runs.items()}))
+  assert calls == [{"a": [0], "b": []}, {"a": [0], "b": [0]}, {"a": [0, 1], "b": [0]},
+                   {"a": [0, 1], "b": [0, 1]}]
+  # Resuming with seed 0 of both arms kept runs seed 1 only.
+  have = {arm: [r for r in rs if r["seed"] == 0] for arm, rs in res["runs"].items()}
+  calls.clear()
+  res2 = runner.run_comparison(c, 2, have=have, on_run=lambda runs: calls.append(1))
+  assert len(calls) == 2 and res2["runs"] == res["runs"]
+  s = runner.summarise(c, res)
+  assert math.isclose(s["arms"]["a"]["gain.accuracy"]["mean"], 0.55)
+  assert math.isclose(s["claims"][0]["diff"]["mean"], 0.3)
+  # At equal time (a's 2 s, when b has made 1 of its 2 updates): seed 0 0.5 vs 0.2 / 2,
+  # seed 1 0.6 vs 0.3 / 2.
+  assert math.isclose(s["claims"][1]["diff"]["mean"], (0.4 + 0.45) / 2)
+  a0 = res["runs"]["a"][0]
+  assert math.isclose(comps.at_time(a0, 0.5), 0.125)  # a quarter of the way to 0.5
+  assert comps.at_time(a0, 9.0) == 0.5
+  # An unfinished comparison (seeds -1) is saved but has no summary or table row.
+  results = {"comparisons": {"fast": dict(res, wall_s=1.0),
+                             "flash_vs_grpo": dict(res, seeds=-1, wall_s=0.0)}}
+  results["comparisons"]["fast"]["runs"] = {
+      "signed": res["runs"]["a"], "positive_only": res["runs"]["b"]}
+  runner._write(results, tmp_path / "results.json", tmp_path)
+  saved = json.loads((tmp_path / "results.json").read_text())["comparisons"]
+  assert "summary" in saved["fast"] and "summary" not in saved["flash_vs_grpo"]
+  md = (tmp_path / "results.md").read_text()
+  assert comps.FAST.title in md and comps.get("flash_vs_grpo").title not in md
+  runner.plot_evals("stub", res, tmp_path / "curves.png")
+  assert (tmp_path / "curves.png").stat().st_size > 10_000
+
+
 def test_runner_rejects_bad_flags_with_a_clear_message(tmp_path):
   for args, msg in ((["--only=nope"], "unknown comparison 'nope'"),
                     (["--only=fast", "--seeds=1"], "--seeds=1")):

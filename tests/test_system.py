@@ -236,6 +236,10 @@ def test_ctrl_c_then_the_same_command_resumes(tmp_path):
   assert out.returncode == 0, out.stderr[-2000:]
   s = json.loads(out.stdout.strip().splitlines()[-1])
   assert s["version"] == N and s["updates"] == N - stopped
+  # where this invocation's time went: the stages add up to no more than its wall time
+  t = s["stage_seconds"]
+  assert {"load", "rl"} <= set(t) and min(t.values()) >= 0, t
+  assert sum(t.values()) <= s["wall_s"] + 0.5 and "time per stage: load" in out.stderr
   assert [r["step"] for r in update_rows(run)] == list(range(1, N + 1))
 
 

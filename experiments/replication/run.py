@@ -76,6 +76,10 @@ def run_comparison(c: comps.Comparison, seeds: int, have: dict | None = None,
   return dict(settings=settings_json(c), seeds=seeds, runs=runs)
 
 
+def _seed(r: dict) -> int:
+  return r["seed"]
+
+
 def summarise(c: comps.Comparison, res: dict) -> dict:
   """Per-arm means with intervals, and each claim's paired difference and verdict."""
   runs = res["runs"]
@@ -85,8 +89,14 @@ def summarise(c: comps.Comparison, res: dict) -> dict:
     arms[arm]["start.accuracy"] = stats.mean_ci([r["start"]["accuracy"] for r in rs])
   claims = []
   for cl in c.claims:
-    a = [comps.metric(r, cl.metric) for r in runs[cl.first]]
-    b = [comps.metric(r, cl.metric) for r in runs[cl.second]]
+    head, _, key = cl.metric.partition(".")
+    if head == "equal_time":  # each seed's pair at the shorter run's training seconds
+      pairs = [comps.equal_time(r, q, key) for r, q in
+               zip(sorted(runs[cl.first], key=_seed), sorted(runs[cl.second], key=_seed))]
+      a, b = [p[0] for p in pairs], [p[1] for p in pairs]
+    else:
+      a = [comps.metric(r, cl.metric) for r in sorted(runs[cl.first], key=_seed)]
+      b = [comps.metric(r, cl.metric) for r in sorted(runs[cl.second], key=_seed)]
     d = stats.paired(a, b)
     claims.append(dict(metric=cl.metric, first=cl.first, second=cl.second, higher=cl.higher,
                        paper=cl.paper, diff=d, verdict=stats.verdict(d, cl.higher)))

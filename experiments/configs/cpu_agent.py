@@ -33,7 +33,7 @@ def get_config():
   # must beat the tool's 1 - cost by as much as the tool beats guessing on a hard one. At 0.2
   # the easy-item difference (0.87 vs 0.8) was too small against the hard items' (0.8 vs 0):
   # RL called the tool everywhere.
-  c.env.kwargs.tool_cost = 0.5
+  c.env.kwargs.tool_cost = 0.4
   c.agent.max_turns = 3
   c.agent.max_new_tokens = 48
   c.agent.max_total_tokens = 256
@@ -46,11 +46,10 @@ def get_config():
   c.sft.checkpoint_every = 20
   # FlashREINFORCE
   c.batch_size = 16
-  c.max_updates = 16
+  c.max_updates = 28
   c.optim.lr = 2e-5
   c.optim.warmup_frac = 0.0
-  c.optim.min_lr_ratio = 0.5
-  c.optim.total_steps = 24  # cosine from 2e-5, 1.5e-5 at the last update
+  c.optim.min_lr_ratio = 0.5  # cosine from 2e-5 to 1e-5
   c.objective.delta = 1e-2
   c.objective.temperature = 1.0
   c.packing.row_len = 512
@@ -59,10 +58,11 @@ def get_config():
   c.rollout.inflight = 16
   c.rollout.num_slots = 16
   c.max_policy_lag = 2
+  c.rollout.fixed_lag = 2  # batch k sampled by version k-2, whatever the timing (as make demo)
   c.service.queue_capacity = 16
   c.checkpoint.every = 10
   c.eval.n = 100
   c.eval.temperature = 1.0  # sampled as in training: greedy hides an undecided policy
-  c.eval.every = 8
+  c.eval.every = 14
   c.eval.num_slots = 100  # all 100 items at once
   return c

@@ -55,6 +55,7 @@ class LMSetting:
   # worker sampling at a fixed lag of `lag`; False: `driver.rl_loop` at an exact lag.
   system: bool = False
   eval_every: int = 0  # held-out evaluations every this many updates too (0: start and end)
+  schedule: int = 0  # optim.total_steps (0: `updates`): a longer one cuts a run short on it
 
   def run_config(self, seed: int):
     c = _config(self.config)
@@ -64,7 +65,8 @@ class LMSetting:
       c.rollout.fixed_lag = self.lag
       c.max_policy_lag = max(c.max_policy_lag, self.lag)
     c.batch_size = self.batch_size
-    c.max_updates = c.optim.total_steps = self.updates
+    c.max_updates = self.updates
+    c.optim.total_steps = self.schedule or self.updates
     c.env.seed = seed
     c.run_dir = c.checkpoint.dir = c.log.dir = ""
     c.log.peak_flops = 1e11  # no start-up matmul measurement

@@ -172,6 +172,9 @@ def test_runner_saves_each_run_and_resumes_an_unfinished_comparison(tmp_path):
   class Arm:  # an arm whose "run" is arithmetic on the seed: the runner's bookkeeping only
     offset: float
     speed: float  # training seconds per update
+    updates: int = 2
+    batch_size: int = 4
+    lag: int = 0
 
     def run(self, seed, log=None):
       acc = 0.1 * seed + self.offset

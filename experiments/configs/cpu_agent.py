@@ -46,10 +46,10 @@ def get_config():
   c.sft.checkpoint_every = 20
   # FlashREINFORCE
   c.batch_size = 16
-  c.max_updates = 28
+  c.max_updates = 40
   c.optim.lr = 2e-5
   c.optim.warmup_frac = 0.0
-  c.optim.min_lr_ratio = 0.5  # cosine from 2e-5 to 1e-5
+  c.optim.min_lr_ratio = 1.0  # constant
   c.objective.delta = 1e-2
   c.objective.temperature = 1.0
   c.packing.row_len = 512
@@ -63,6 +63,6 @@ def get_config():
   c.checkpoint.every = 10
   c.eval.n = 100
   c.eval.temperature = 1.0  # sampled as in training: greedy hides an undecided policy
-  c.eval.every = 14
+  c.eval.every = 20
   c.eval.num_slots = 100  # all 100 items at once
   return c

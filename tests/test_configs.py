@@ -21,13 +21,14 @@ def test_all_recipes_are_present():
 
 # The figures each config's docstring states (quoted), read by hand, as (what the config
 # computes, the stated value); and the schedule length validate leaves in optim.total_steps
-# (max_updates, unless the config plans a longer schedule: cpu_agent stops at 20 of 30,
-# tiny_test at 5 of 100).
+# (max_updates, unless the config plans a longer schedule: tiny_test stops at 5 of 100).
 DOCUMENTED = {
     "alfworld_like": {"B=64": (lambda c: c.batch_size, 64),
                       "200 steps": (lambda c: c.max_updates, 200),
                       "12.8k trajectories": (lambda c: c.batch_size * c.max_updates, 12_800)},
-    "cpu_agent": {"20 updates": (lambda c: c.max_updates, 20),
+    "cpu_agent": {"40 updates of 16": (lambda c: (c.max_updates, c.batch_size), (40, 16)),
+                  "0.4 per tool call": (lambda c: c.env.kwargs.tool_cost, 0.4),
+                  "fixed policy lag of 2": (lambda c: c.rollout.fixed_lag, 2),
                   # base evaluation, then every eval.every updates through the last
                   "three evaluations": (lambda c: 1 + c.max_updates // c.eval.every, 3)},
     "cpu_default": {"36 updates of B=32": (lambda c: (c.max_updates, c.batch_size), (36, 32)),
@@ -63,7 +64,7 @@ DOCUMENTED = {
                                                         c.rollout.inflight), (4, 16)),
                  "older than 8 are dropped": (lambda c: c.max_policy_lag, 8)},
 }
-SCHEDULE = {"alfworld_like": 200, "cpu_agent": 30, "cpu_default": 36, "qwen25_7b_tool": 600,
+SCHEDULE = {"alfworld_like": 200, "cpu_agent": 40, "cpu_default": 36, "qwen25_7b_tool": 600,
             "qwen25_math_1p5b": 2000, "r1_distill_1p5b_longcot": 6000, "tiny_test": 100,
             "gateway_smollm2": 2,
             "qwen3_30b_a3b_tool": 800, "tiny_moe": 60}

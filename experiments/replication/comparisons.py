@@ -126,8 +126,9 @@ from experiments.replication.lm import LMSetting  # noqa: E402
 
 COMPARISONS["tool_use_lm"] = Comparison(
     "tool_use_lm", "8. tool use on SmolLM2-135M: signed vs positive-only, from one SFT start",
-    "tool_arithmetic: easy 1-digit sums and hard 3-digit x 2-digit products, 0.2 reward per "
-    "tool call; held-out evaluation of 50 items sampled at T=1, per difficulty",
+    "tool_arithmetic: easy 1-digit sums and hard 3-digit x 2-digit products, cpu_agent's "
+    "price per tool call (0.2 when measured, 0.4 since); held-out evaluation of 50 items "
+    "sampled at T=1, per difficulty",
     "tool use, 7B: 36.2 mean, 3.30 tool calls (signed) vs 9.8, 0.00 (positive-only)",
     {"signed": LMSetting(), "positive_only": LMSetting(advantage="positive_only")},
     ("end.accuracy", "end.hard_accuracy", "end.easy_accuracy", "end.tool_calls_per_trajectory",

@@ -178,10 +178,13 @@ def _run_driver(c, s: LMSetting, seed: int, model, env, evaluate_at, log):
                           num_slots=c.rollout.num_slots, max_len=agent.engine_max_len)
   loop = AgentLoop(engine, model.tokenizer, env, agent)
   setup = time.perf_counter() - t0
+
+  def on_update(p):  # the curve's clock starts at rl_loop: add the set-up
+    evaluate_at(dict(p, wall_s=round(p["wall_s"] + setup, 2)), learner.params)
+
   r = driver.rl_loop(learner, engine, loop, env, updates=s.updates, lag=s.lag,
                      batch_size=s.batch_size, seed=seed, group_size=s.group_size,
-                     params0=jax.device_get(model.params), log=log,
-                     on_update=lambda p: evaluate_at(p, learner.params))
+                     params0=jax.device_get(model.params), log=log, on_update=on_update)
   for p in r["curve"]:
     p["wall_s"] = round(p["wall_s"] + setup, 2)
   r["train_wall_s"] = round(r["train_wall_s"] + setup, 2)

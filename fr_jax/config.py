@@ -85,6 +85,9 @@ def default_config() -> ml_collections.ConfigDict:
       batch_size=16,  # conversations per step
       lr=1e-4,
       warmup_frac=0.1,
+      # cosine from lr to lr * min_lr_ratio over the steps; < 0: the RL run's
+      # optim.min_lr_ratio (so a change to RL's schedule changes the warm start too)
+      min_lr_ratio=-1.0,
       # token_mean: every assistant token weighs the same. sample_mean would weigh a token by
       # 1/(its conversation's length): the first token of a 5-token direct answer would count
       # 8x the first token of a 40-token tool call, and the warm start would learn to call the
@@ -166,6 +169,9 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
      or not 0 <= c.sft.tool_fraction <= 1 or not 0 <= c.sft.warmup_frac < 1:
     raise ConfigError("sft: steps >= 0, batch_size >= 1, lr >= 0, checkpoint_every >= 1, "
                       "tool_fraction in [0, 1] and warmup_frac in [0, 1) are required")
+  if not (c.sft.min_lr_ratio < 0 or 0 <= c.sft.min_lr_ratio <= 1):
+    raise ConfigError(f"sft.min_lr_ratio={c.sft.min_lr_ratio}: in [0, 1], or < 0 for the RL "
+                      "schedule's optim.min_lr_ratio")
   if c.sft.reduction not in ("sample_mean", "token_mean"):
     raise ConfigError(f"sft.reduction={c.sft.reduction!r}: choose sample_mean or token_mean")
   if c.eval.temperature < 0:

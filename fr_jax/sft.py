@@ -192,6 +192,8 @@ def learner_config(c):
     s.objective.reduction = c.sft.reduction
     s.batch_size, s.minibatches = c.sft.batch_size, 1
     s.optim.lr, s.optim.warmup_frac = c.sft.lr, c.sft.warmup_frac
+    if c.sft.min_lr_ratio >= 0:
+      s.optim.min_lr_ratio = c.sft.min_lr_ratio
     s.optim.total_steps = max(c.sft.steps, 1)
     s.checkpoint.every = c.sft.checkpoint_every
   return s

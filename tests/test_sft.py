@@ -5,6 +5,7 @@ log-softmax over each conversation scored alone), an interrupted warm start resu
 same parameters as an uninterrupted one, and the priced tool's reward by hand."""
 
 import json
+import math
 import threading
 
 import jax
@@ -190,6 +191,25 @@ def _tiny_config(tmp_path, steps=4):
   c.checkpoint.async_save = False
   c.log.peak_flops = 1e11
   return c
+
+
+def test_sft_schedule_is_its_own_when_set(tmp_path):
+  """sft.min_lr_ratio sets the warm start's end of schedule; unset (< 0) it is the RL
+  config's optim.min_lr_ratio, as before. (Setting RL's min_lr_ratio to 1.0 once turned the
+  agent demo's warm start from a decay to 1e-4 into a constant 2e-4.)"""
+  from fr_jax.learner import optim
+  c = _tiny_config(tmp_path, steps=40)
+  c.sft.lr, c.optim.min_lr_ratio = 2e-4, 1.0
+  last = lambda c: float(optim.schedule(sft.learner_config(c).optim)(40))  # noqa: E731
+  assert math.isclose(last(c), 2e-4, rel_tol=1e-6)  # inherited: constant
+  c.sft.min_lr_ratio = 0.5
+  assert math.isclose(last(c), 1e-4, rel_tol=1e-6)
+  assert c.optim.min_lr_ratio == 1.0  # the RL schedule is untouched
+  bad = rcfg.default_config()
+  bad.service.queue_capacity = bad.batch_size  # (the default config is a template)
+  bad.sft.min_lr_ratio = 1.5
+  with pytest.raises(rcfg.ConfigError, match="sft.min_lr_ratio=1.5"):
+    rcfg.validate(bad)
 
 
 @pytest.mark.parametrize("reduction", ["token_mean", "sample_mean"])

@@ -16,11 +16,11 @@ temperature 1), per difficulty:
 The best policy calls the tool on hard items only. run_dir/plot.png shows the curves and the
 last stdout lines hold the before/after table and the time per stage.
 
-Hardware: a laptop-class CPU; 2 cores suffice. Nothing is downloaded. Measured on 2 cores
-(a fresh clone's `make demo-agent`, 2026-12-04): 1,675 s in all (28 min: base evaluation 37
-s, warm start 400 s, its evaluation 47 s, 40 updates 1,082 s, two evaluations 102 s). Held-out
-after RL: hard items 0.96 accuracy with 0.96 tool calls; easy items 0.90 accuracy with 0.78
-tool calls, so it has not yet learned to skip the tool on easy items (README says why).
+Hardware: a laptop-class CPU; 2 cores suffice. Nothing is downloaded. Expected time on 2
+cores: about 28 minutes (a fresh clone's `make demo-agent` at the same stage sizes,
+2026-12-04: 1,675 s; base evaluation 37 s, warm start 400 s, its evaluation 47 s, 40 updates
+1,082 s, two evaluations 102 s). Measured (README, attempt 4): held-out easy items 1.00
+accuracy with 0.22 tool calls, hard items 0.96 accuracy with 0.98 tool calls after RL.
 """
 
 from fr_jax import config as rcfg

@@ -152,8 +152,13 @@ def plot(name: str, res: dict, path: Path):
       ax.plot(x, y, label=arm)
       ax.set_title(key)
       ax.set_xlabel("update")
+  _save(fig, axes, f"{name} (mean over {res['seeds']} seeds)", path)
+
+
+def _save(fig, axes, title: str, path: Path):
+  import matplotlib.pyplot as plt
   axes[0].legend(fontsize=8)
-  fig.suptitle(f"{name} (mean over {res['seeds']} seeds)")
+  fig.suptitle(title)
   fig.tight_layout()
   fig.savefig(path, dpi=90)
   plt.close(fig)
@@ -181,11 +186,8 @@ def plot_evals(name: str, res: dict, path: Path):
   axes[1].set_xlabel("training seconds on this machine (evaluations excluded)")
   for ax in axes:
     ax.set_ylabel("held-out accuracy")
-  axes[0].legend(fontsize=8)
-  fig.suptitle(f"{name}: held-out accuracy (thin: each of {res['seeds']} seeds; thick: mean)")
-  fig.tight_layout()
-  fig.savefig(path, dpi=90)
-  plt.close(fig)
+  _save(fig, axes,
+        f"{name}: held-out accuracy (thin: each of {res['seeds']} seeds; thick: mean)", path)
 
 
 def _write(results: dict, path: Path, out: Path):

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from absl import app, flags
 
+from experiments.benchmarks.common import cpu_model
 from experiments.replication import comparisons as comps
 from experiments.replication import stats
 
@@ -68,6 +69,7 @@ def run_comparison(c: comps.Comparison, seeds: int, have: dict | None = None,
       _say(f"[{c.name}] {arm} seed {seed}: {s.updates} updates of B={s.batch_size}"
            f"{f' (lag {s.lag})' if s.lag else ''}")
       r = s.run(seed, log=_say) if hasattr(s, "run") else driver.run(s, seed, log=_say)
+      r["cpu"] = cpu_model()  # a slow comparison can span machines: its seconds are this one's
       runs[arm].append(r)
       if on_run is not None:
         on_run(runs)

@@ -19,7 +19,7 @@ help:
 	@echo "make demo      install .venv if needed, train SmolLM2-135M on arithmetic (13-19 min, CPU)"
 	@echo "               SEED=n: another seed (prompts and samples); docs/demo.md"
 	@echo "make demo-agent  SmolLM2 learns when to call the Python tool: SFT warm start, then"
-	@echo "               FlashREINFORCE, evaluated per difficulty (~28 min, CPU)"
+	@echo "               FlashREINFORCE, evaluated per difficulty (~24 min, CPU)"
 	@echo "make test      install .venv if needed, lint, then run the fast test suite (not marked slow)"
 	@echo "make lint      ruff (pyproject.toml's rules) over the whole tree"
 	@echo "make test-all  run every test, slow ones included"

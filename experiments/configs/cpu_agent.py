@@ -17,9 +17,9 @@ The best policy calls the tool on hard items only. run_dir/plot.png shows the cu
 last stdout lines hold the before/after table and the time per stage.
 
 Hardware: a laptop-class CPU; 2 cores suffice. Nothing is downloaded. Expected time on 2
-cores: about 28 minutes (a fresh clone's `make demo-agent` at the same stage sizes,
-2026-12-04: 1,675 s; base evaluation 37 s, warm start 400 s, its evaluation 47 s, 40 updates
-1,082 s, two evaluations 102 s). Measured (README, attempt 4): held-out easy items 1.00
+cores: about 24 minutes (a fresh clone's `make demo-agent` of this config, d191ef1,
+2026-12-04: 1,404 s; base evaluation 35 s, warm start 371 s, its evaluation 48 s, 40 updates
+845 s, two evaluations 97 s). Measured (README, attempt 4): held-out easy items 1.00
 accuracy with 0.22 tool calls, hard items 0.96 accuracy with 0.98 tool calls after RL.
 """
 

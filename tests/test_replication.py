@@ -181,7 +181,7 @@ def test_runner_saves_each_run_and_resumes_an_unfinished_comparison(tmp_path):
       evals = [dict(version=v, rollouts=4 * v, wall_s=self.speed * v, accuracy=acc * v / 2)
                for v in (0, 1, 2)]
       return dict(seed=seed, start=dict(accuracy=0.0), end=dict(accuracy=acc),
-                  gain=dict(accuracy=acc), evals=evals,
+                  gain=dict(accuracy=acc), evals=evals, wall_s=self.speed * 2 + seed,
                   curve=[dict(version=v, reward=acc, entropy=1.0, acceptance=1.0)
                          for v in (1, 2)])
 
@@ -199,6 +199,9 @@ def test_runner_saves_each_run_and_resumes_an_unfinished_comparison(tmp_path):
   calls.clear()
   res2 = runner.run_comparison(c, 2, have=have, on_run=lambda runs: calls.append(1))
   assert len(calls) == 2 and res2["runs"] == res["runs"]
+  # The comparison's wall time is its runs' own seconds, kept ones included: a resumed
+  # comparison (another session, another process) still reports all of them.
+  assert math.isclose(res2["wall_s"], (2.0 + 4.0) * 2 + 1 + 1) and res2["wall_s"] == res["wall_s"]
   s = runner.summarise(c, res)
   assert math.isclose(s["arms"]["a"]["gain.accuracy"]["mean"], 0.55)
   assert math.isclose(s["claims"][0]["diff"]["mean"], 0.3)

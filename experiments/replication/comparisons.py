@@ -140,7 +140,7 @@ COMPARISONS["tool_use_lm"] = Comparison(
     note="SmolLM2-135M-Instruct after the agent demo's supervised warm start (shared by "
          "every run); 6 updates of 16 rollouts at policy lag 0 with the cpu_agent recipe.")
 # The first 24 of `make demo`'s 36 updates, on its schedule (a 5-update warm-up): 768 rollouts
-# per run, about 75 minutes a seed for the three arms (the budget: docs/replication.md).
+# per run, 50-62 minutes a seed for the three arms here (the budget: docs/replication.md).
 HEADLINE_UPDATES = 24
 _HEAD = dict(config="cpu_default", updates=HEADLINE_UPDATES, schedule=36, batch_size=32,
              eval_n=200, eval_every=HEADLINE_UPDATES // 2)

@@ -5,7 +5,7 @@ r"""Replication runner: the paper's ablation directions at CPU scale, several se
   .venv/bin/python -m experiments.replication.run --only=gate_on_off   # one comparison
   .venv/bin/python -m experiments.replication.run --only=fast --seeds=2 # the tiny plumbing check
   .venv/bin/python -m experiments.replication.run --only=tool_use_lm --seeds=3  # SmolLM2, slow
-  .venv/bin/python -m experiments.replication.run --only=headline_lm --seeds=3  # ~75 min
+  .venv/bin/python -m experiments.replication.run --only=headline_lm --seeds=3  # ~3 h, resumes
   make replication
 
 Writes to --out (default runs/replication): `results.json` (every run: curves, held-out
@@ -75,7 +75,10 @@ def run_comparison(c: comps.Comparison, seeds: int, have: dict | None = None,
         on_run(runs)
       _say(f"[{c.name}] {arm} seed {seed}: held-out accuracy {r['start']['accuracy']:.3f} -> "
            f"{r['end']['accuracy']:.3f} ({time.perf_counter() - t0:.0f}s)")
-  return dict(settings=settings_json(c), seeds=seeds, runs=runs)
+  # Its wall time is the sum of its runs' own clocks, so a comparison resumed across sessions
+  # counts the kept runs too.
+  wall = sum(r["wall_s"] for rs in runs.values() for r in rs)
+  return dict(settings=settings_json(c), seeds=seeds, runs=runs, wall_s=round(wall, 1))
 
 
 def _seed(r: dict) -> int:
@@ -231,7 +234,6 @@ def main(argv):
         and old["settings"] == settings_json(c)):
       _say(f"[{n}] runs kept from {path} (--rerun to run again)")
       continue
-    t0 = time.perf_counter()
     same = old and not F.rerun and old["settings"] == settings_json(c)
 
     def save_partial(runs, n=n, c=c):
@@ -240,7 +242,6 @@ def main(argv):
       _save_json(results, path)
 
     res = run_comparison(c, F.seeds, old["runs"] if same else None, on_run=save_partial)
-    res["wall_s"] = round(time.perf_counter() - t0 + (old["wall_s"] if same else 0.0), 1)
     results["comparisons"][n] = res
     results["machine"] = {"cpu_count": os.cpu_count(), "platform": sys.platform}
     _write(results, path, out)  # after each comparison: an interrupt loses only the current one

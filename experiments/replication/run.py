@@ -75,8 +75,12 @@ def run_comparison(c: comps.Comparison, seeds: int, have: dict | None = None,
         on_run(runs)
       _say(f"[{c.name}] {arm} seed {seed}: held-out accuracy {r['start']['accuracy']:.3f} -> "
            f"{r['end']['accuracy']:.3f} ({time.perf_counter() - t0:.0f}s)")
-  # Its wall time is the sum of its runs' own clocks, so a comparison resumed across sessions
-  # counts the kept runs too.
+  return comparison_record(c, seeds, runs)
+
+
+def comparison_record(c: comps.Comparison, seeds: int, runs: dict) -> dict:
+  """What results.json holds of a comparison (seeds -1: unfinished, kept to resume). Its wall
+  time is the sum of its runs' own clocks, so one resumed across sessions counts the kept runs."""
   wall = sum(r["wall_s"] for rs in runs.values() for r in rs)
   return dict(settings=settings_json(c), seeds=seeds, runs=runs, wall_s=round(wall, 1))
 
@@ -237,8 +241,7 @@ def main(argv):
     same = old and not F.rerun and old["settings"] == settings_json(c)
 
     def save_partial(runs, n=n, c=c):
-      results["comparisons"][n] = dict(settings=settings_json(c), seeds=-1, runs=runs,
-                                       wall_s=0.0)
+      results["comparisons"][n] = comparison_record(c, -1, runs)
       _save_json(results, path)
 
     res = run_comparison(c, F.seeds, old["runs"] if same else None, on_run=save_partial)

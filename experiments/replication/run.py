@@ -5,7 +5,7 @@ r"""Replication runner: the paper's ablation directions at CPU scale, several se
   .venv/bin/python -m experiments.replication.run --only=gate_on_off   # one comparison
   .venv/bin/python -m experiments.replication.run --only=fast --seeds=2 # the tiny plumbing check
   .venv/bin/python -m experiments.replication.run --only=tool_use_lm --seeds=3  # SmolLM2, slow
-  .venv/bin/python -m experiments.replication.run --only=headline_lm --seeds=3  # ~3 h, resumes
+  .venv/bin/python -m experiments.replication.run --only=headline_lm --seeds=4  # ~3.5 h, resumes
   make replication
 
 Writes to --out (default runs/replication): `results.json` (every run: curves, held-out

@@ -453,6 +453,34 @@ def test_a_fixed_lag_worker_follows_its_schedule_and_recovers_when_the_learner_i
   assert client.loaded == [0] * 4 + [9] * 2 + [10] * 2 + [11] * 2 + [12] * 2
 
 
+def test_a_fixed_lag_worker_starts_no_episode_beyond_its_batch(tiny_model):
+  """With `rollout.inflight` above what the batch still needs (3 in flight, batches of 2),
+  the worker starts only the current batch's episodes, so batch k is sampled with version
+  k - 1 exactly. (It used to top up to 3, and batches 2 and 3 came from version 0.)"""
+
+  class Versions:  # the in-process client's interface: every version published
+    def __init__(self):
+      self.loaded, self.stop = [], threading.Event()
+
+    def heartbeat(self, stats):
+      return None
+
+    def weights_at(self, v):
+      return "ok", tiny_model.params
+
+    def push(self, traj, stop):
+      self.loaded.append(w.engine.version)
+      if len(self.loaded) >= 12:
+        self.stop.set()
+
+  c = tiny_run_config(**{"rollout.num_workers": 1, "rollout.fixed_lag": 1, "agent.max_turns": 1,
+                         "rollout.inflight": 3, "batch_size": 2})
+  client = Versions()
+  w = system.build_worker(c, client, tiny_model, index=0, num_shards=1, sample_tag="t")
+  w.run(client.stop)
+  assert client.loaded == [0, 0, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+
+
 def test_a_worker_process_refuses_a_fixed_lag():
   r = subprocess.run([sys.executable, "-m", "launch.worker",
                       "--config=experiments/configs/tiny_test.py", "--learner=127.0.0.1:1",

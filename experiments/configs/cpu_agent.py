@@ -17,10 +17,10 @@ The best policy calls the tool on hard items only. run_dir/plot.png shows the cu
 last stdout lines hold the before/after table and the time per stage.
 
 Hardware: a laptop-class CPU; 2 cores suffice. Nothing is downloaded. Expected time on 2
-cores: about 24 minutes (a fresh clone's `make demo-agent` of this config, d191ef1,
-2026-12-04: 1,404 s; base evaluation 35 s, warm start 371 s, its evaluation 48 s, 40 updates
-845 s, two evaluations 97 s). Measured (README, attempt 4): held-out easy items 1.00
-accuracy with 0.22 tool calls, hard items 0.96 accuracy with 0.98 tool calls after RL.
+cores: about 21 minutes (`make demo-agent` at the exact fixed lag, 2026-12-04: 1,226 s; base
+evaluation 35 s, warm start 346 s, its evaluation 37 s, 40 updates 728 s, two evaluations
+73 s). Measured (README, attempt 5): held-out easy items 1.00 accuracy with 0.20 tool calls,
+hard items 0.90 accuracy with 0.96 tool calls after RL.
 """
 
 from fr_jax import config as rcfg

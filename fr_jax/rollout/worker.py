@@ -164,7 +164,7 @@ class Worker:
         self.sync(len(eps))
         if self.fixed_lag >= 0 and not self._load_scheduled(stop):
           break
-        while len(eps) < self.inflight:
+        while len(eps) < self._room():
           self._new_episode(eps, seeds)
         self.loop.step(eps, seeds)
         backoff = self.backoff_min_s
@@ -178,6 +178,14 @@ class Worker:
       seeds = [s for e, s in zip(eps, seeds) if not e.done]
       eps = [e for e in eps if not e.done]
     return self.produced
+
+  def _room(self) -> int:
+    """How many episodes may be in flight: `inflight`, and at a fixed lag no more than the
+    current batch still needs, so that every episode of batch k starts and ends with the
+    version the schedule gives batch k (one that takes several turns too)."""
+    if self.fixed_lag < 0:
+      return self.inflight
+    return min(self.inflight, self.batch_size - self.pushed % self.batch_size)
 
   def _load_scheduled(self, stop: threading.Event) -> bool:
     """At a fixed lag: loads the version the schedule asks for now, waiting until the learner

@@ -456,7 +456,7 @@ def test_a_fixed_lag_worker_follows_its_schedule_and_recovers_when_the_learner_i
 def test_a_fixed_lag_worker_starts_no_episode_beyond_its_batch(tiny_model):
   """With `rollout.inflight` above what the batch still needs (3 in flight, batches of 2),
   the worker starts only the current batch's episodes, so batch k is sampled with version
-  k - 1 exactly. (It used to top up to 3, and batches 2 and 3 came from version 0.)"""
+  k - 1 exactly. (It used to top up to 3, and batch 2 came from version 0.)"""
 
   class Versions:  # the in-process client's interface: every version published
     def __init__(self):

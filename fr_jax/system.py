@@ -73,19 +73,43 @@ def agent_config(c: ml_collections.ConfigDict, model_config=None) -> AgentConfig
                                              or c.rollout.engine == "embedded"))
 
 
-def build_engine(c: ml_collections.ConfigDict, model, params=None, version: int = 0):
-  if c.rollout.engine == "sglang":
-    from fr_jax.rollout.sglang import SGLangEngine
-    # The model's config tells the client which of SGLang's per-layer routing rows are the
-    # sparse layers' (routing replay).
-    # The server's (or router's) --api-key comes from the environment, never the config.
-    return SGLangEngine(c.rollout.sglang_url, version=version, model_config=model.config,
-                        timeout=c.rollout.sglang_timeout_s,
-                        api_key=os.environ.get("SGLANG_API_KEY") or None)
+def _embedded(c, model, params, version):
   from fr_jax.rollout.embedded import EmbeddedEngine
   return EmbeddedEngine(model.config, model.params if params is None else params,
                         tokenizer=model.tokenizer, num_slots=c.rollout.num_slots,
                         max_len=agent_config(c).engine_max_len, version=version)
+
+
+def server_engine(name: str):
+  """The client class of an engine that runs as a server (rollout.engine sglang or vllm)."""
+  if name == "sglang":
+    from fr_jax.rollout.sglang import SGLangEngine
+    return SGLangEngine
+  if name == "vllm":
+    from fr_jax.rollout.vllm import VLLMEngine
+    return VLLMEngine
+  raise ValueError(f"{name!r} is not an engine that runs as a server (sglang, vllm)")
+
+
+def _server(c, model, params, version):
+  engine = server_engine(c.rollout.engine)
+  extra = {"pause_mode": c.rollout.vllm_pause_mode} if c.rollout.engine == "vllm" else {}
+  # The model's config tells the SGLang client which of its per-layer routing rows are the
+  # sparse layers' (routing replay). The API key comes from the environment.
+  return engine(c.rollout.server_url, version=version, model_config=model.config,
+                timeout=c.rollout.server_timeout_s,
+                api_key=os.environ.get(engine.api_key_env) or None, **extra)
+
+
+# The engine factory: rollout.engine -> a builder. Everything else asks the engine itself
+# (`weight_format`: arrays or an HF directory; `errors`: the failures a worker rides out).
+ENGINE_BUILDERS = {"embedded": _embedded, "sglang": _server, "vllm": _server}
+
+
+def build_engine(c: ml_collections.ConfigDict, model, params=None, version: int = 0):
+  """The config's engine (a server's API key comes from the environment, never the
+  config)."""
+  return ENGINE_BUILDERS[c.rollout.engine](c, model, params, version)
 
 
 def require_tokenizer(c: ml_collections.ConfigDict, model) -> None:
@@ -100,17 +124,13 @@ def build_worker(c: ml_collections.ConfigDict, client, model, *, index: int, num
   require_tokenizer(c, model)
   env = envs.make(c.env.name, **c.env.kwargs.to_dict())
   engine = build_engine(c, model, params, version)
-  engine_errors = ()
-  if c.rollout.engine == "sglang":  # a server down, restarting or refusing: ridden out
-    from fr_jax.rollout.sglang import SGLangError
-    engine_errors = (SGLangError,)
   return Worker(client, engine, model.tokenizer, env, agent_config(c, model.config),
                 worker_id=worker_id or f"worker-{index}", shard_index=index,
                 num_shards=num_shards, seed=c.env.seed, inflight=c.rollout.inflight,
-                weights="hf" if c.rollout.engine == "sglang" else "arrays",
+                weights=engine.weight_format,
                 heartbeat_every_s=c.rollout.heartbeat_every_s, sample_tag=sample_tag,
                 fixed_lag=c.rollout.fixed_lag, batch_size=c.batch_size * c.minibatches,
-                engine_errors=engine_errors)
+                engine_errors=engine.errors)
 
 
 def start_worker_threads(c, service, model, n: int, stop: threading.Event,

@@ -200,7 +200,7 @@ def learner_overrides(k, mesh) -> dict:
 
 
 def worker_overrides(k) -> dict:
-  """The --config.* fields the worker commands set, besides rollout.sglang_url (the router's
+  """The --config.* fields the worker commands set, besides rollout.server_url (the router's
   URL, which each template writes in its own terms)."""
   return {"model.name": f"hf:{k.checkpoint}", "rollout.engine": "sglang"}
 
@@ -232,7 +232,7 @@ def check_run_config(k, targets) -> None:
   spec = importlib.util.spec_from_file_location("_cluster_run_config", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  sets = [("worker", worker_overrides(k) | {"rollout.sglang_url": "http://router:1"})]
+  sets = [("worker", worker_overrides(k) | {"rollout.server_url": "http://router:1"})]
   if {"slurm", "k8s"} & set(targets):
     sets.append(("learner", learner_overrides(k, (k.learner.mesh_data, k.learner.mesh_fsdp))))
     sets.append(("weight relay", relay_overrides(k)))
@@ -271,7 +271,7 @@ def context(k, source: str, targets) -> dict:
     ctx.update(
         k8s_learner0=learner0,
         k8s_coordinator=f"{learner0}:{k.learner.coordinator_port}",
-        k8s_sglang_urls=[f"http://{k.name}-sglang-{i}.{k.name}-sglang.{svc}:{k.sglang.port}"
+        k8s_server_urls=[f"http://{k.name}-sglang-{i}.{k.name}-sglang.{svc}:{k.sglang.port}"
                          for i in range(k.sglang.nodes)],
         k8s_router_url=f"http://{k.name}-router.{svc}:{k.router.port}")
   if "tpu_vm" in targets:

@@ -14,7 +14,8 @@ post its reward:
       http://127.0.0.1:8000/v1/episodes/EPISODE/reward
 
 `experiments/agents/openai_tool_agent.py` is a complete agent. The engine is the embedded
-one, or an SGLang server or router (`--config.rollout.engine=sglang`). Open episodes and
+one, an SGLang server or router (`--config.rollout.engine=sglang`) or a vLLM server
+(`--config.rollout.engine=vllm`, launch/vllm_server.py). Open episodes and
 rewarded records not yet acknowledged by the learner live in run_dir/gateway.db: a gateway
 restarted on the same run_dir resumes them. How calls become records (segments, drift) is in
 `fr_jax/rollout/gateway.py` and docs/rollout.md.
@@ -65,8 +66,9 @@ def main(argv):
                 "records are kept there")
   if FLAGS.tls_cert and not FLAGS.tls_key:
     common.fail("--tls_cert needs --tls_key")
-  if c.rollout.engine == "sglang" and not FLAGS.learner:
-    common.fail("rollout.engine=sglang trains through a learner elsewhere: give --learner")
+  if c.rollout.engine != "embedded" and not FLAGS.learner:
+    common.fail(f"rollout.engine={c.rollout.engine} trains through a learner elsewhere: give "
+                "--learner")
   host, port = _bind(c.gateway.address)
   model = common.load_model(c)
   from fr_jax import system
@@ -102,18 +104,15 @@ def main(argv):
     version, params = service.weights(0)
     acks = "sync"
   engine = system.build_engine(c, model, params=params, version=version)
-  errors = ()
-  if c.rollout.engine == "sglang":
-    from fr_jax.rollout.sglang import SGLangError
-    errors = (SGLangError,)
   gcfg = GatewayConfig(
       model_name=c.model.name, tool_format=c.gateway.tool_format,
       max_total_tokens=c.agent.max_total_tokens, max_new_tokens=c.agent.max_new_tokens,
       max_open_episodes=c.gateway.max_open_episodes,
       episode_timeout_s=c.gateway.episode_timeout_s, max_segments=c.gateway.max_segments,
-      weights="hf" if c.rollout.engine == "sglang" else "arrays")
+      weights=engine.weight_format)
   gateway = Gateway(engine, model.tokenizer, client, gcfg, journal=journal, acks=acks,
-                    engine_errors=errors, serial_engine=c.rollout.engine == "embedded",
+                    engine_errors=engine.errors,
+                    serial_engine=engine.weight_format == "arrays",
                     max_batch=c.gateway.max_batch or c.rollout.num_slots)
   if FLAGS.learner:
     box.append(gateway)

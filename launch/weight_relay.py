@@ -1,12 +1,15 @@
-r"""A weight relay beside one SGLang server: the learner's weights to that server, without a
-shared filesystem (design: `fr_jax/transport/relay.py`, docs/rollout.md).
+r"""A weight relay beside one SGLang or vLLM server: the learner's weights to that server,
+without a shared filesystem (design: `fr_jax/transport/relay.py`, docs/rollout.md).
 
   python -m launch.weight_relay --config=experiments/configs/qwen25_math_1p5b.py \
       --learner=learner-host:50051 \
-      --sglang=http://127.0.0.1:30000 --dir=/local/nvme/weights
+      --server=http://127.0.0.1:30000 --dir=/local/nvme/weights
   # serving its versions to other relays (the learner names each relay's source)
   python -m launch.weight_relay --config=... --learner=learner-host:50051 \
-      --sglang=http://127.0.0.1:30000 --dir=/dev/shm/weights --serve_address=0.0.0.0:50061
+      --server=http://127.0.0.1:30000 --dir=/dev/shm/weights --serve_address=0.0.0.0:50061
+  # beside a vLLM server (launch/vllm_server.py); the key is $VLLM_API_KEY
+  python -m launch.weight_relay --config=... --learner=learner-host:50051 --engine=vllm \
+      --server=http://127.0.0.1:30000 --dir=/local/nvme/weights
   # workers generate through sglang-router in front of every server
   python -m sglang_router.launch_router --worker-urls http://gpu1:30000 http://gpu2:30000 \
       --host 127.0.0.1 --port 30000
@@ -19,8 +22,10 @@ it serves what it holds to other relays, so the learner sends each version about
 whatever the fleet's size. From an older learner it fetches whole weights over gRPC
 (`GetWeights`, every tensor checked against its CRC-32, a damaged or cut stream fetched
 again). Either way it writes HF safetensors under --dir atomically
-(`vNNNNNNNN`, the last --keep kept), and calls the server's `/update_weights_from_disk` with
-the path and the version; then the version counts as delivered. One line per version on
+(`vNNNNNNNN`, the last --keep kept), and has the server load the path with the version (the
+engine's `update_weights`: SGLang's `/update_weights_from_disk`; vLLM's pause, in-place
+`reload_weights`, cache reset, `/update_weight_version`, resume); then the version counts as
+delivered. One line per version on
 stdout (`relay: v12 fetched 270 MB in 3.1 s (87 MB/s), written in 0.9 s, loaded by
 http://127.0.0.1:30000 in 0.4 s`). --config names the learner's run config: the relay builds
 the model's HF config and tokenizer files from it without loading weights. It stops when the
@@ -38,15 +43,16 @@ from absl import flags, logging
 from launch import common
 
 flags.DEFINE_string("learner", "127.0.0.1:50051", "learner gRPC address host:port")
-flags.DEFINE_string("sglang", "http://127.0.0.1:30000", "this relay's SGLang server (not the "
-                    "router: each server gets its own relay)")
+flags.DEFINE_enum("engine", "sglang", ["sglang", "vllm"], "the server's kind (rollout.engine)")
+flags.DEFINE_string("server", "http://127.0.0.1:30000", "this relay's server (not a router: "
+                    "each server gets its own relay)")
 flags.DEFINE_string("dir", "", "local directory for the HF safetensors versions")
 flags.DEFINE_string("auth_token", "", "shared token (default: $FR_JAX_TOKEN)")
 flags.DEFINE_string("tls_ca", "", "PEM CA certificate: connect with TLS")
 flags.DEFINE_string("tls_cert", "", "PEM client certificate (mutual TLS)")
 flags.DEFINE_string("tls_key", "", "PEM client key (mutual TLS)")
-flags.DEFINE_string("sglang_api_key", "",
-                    "the server's --api-key, if it has one (default: $SGLANG_API_KEY)")
+flags.DEFINE_string("api_key", "", "the server's API key, if it has one (default: "
+                    "$SGLANG_API_KEY or $VLLM_API_KEY, by --engine)")
 flags.DEFINE_float("poll_s", 1.0, "seconds between polls of the learner")
 flags.DEFINE_integer("keep", 2, "versions kept on disk (at least 1: the loaded one)")
 flags.DEFINE_integer("max_versions", 0, "exit after delivering this many versions (0: run "
@@ -55,7 +61,7 @@ flags.DEFINE_bool("once", False, "deliver the learner's current version and exit
                   "(--max_versions=1)")
 flags.DEFINE_float("fetch_timeout_s", 3600.0, "give up one fetch after this long")
 flags.DEFINE_string("relay_id", "", "name in the learner's worker stats (default "
-                    "relay@<--sglang>)")
+                    "relay@<--server>)")
 flags.DEFINE_string("serve_address", "", "serve the versions this relay holds to other relays "
                     "here (host:port; port 0 picks one; empty: do not serve); beyond loopback "
                     "it needs the fleet's token or --serve_tls_cert/--serve_tls_key")
@@ -84,8 +90,8 @@ def check_flags():
   host, _, port = FLAGS.learner.rpartition(":")
   if not host or not port.isdigit():
     common.fail(f"--learner={FLAGS.learner!r}: give host:port, e.g. 127.0.0.1:50051")
-  if not FLAGS.sglang.startswith(("http://", "https://")):
-    common.fail(f"--sglang={FLAGS.sglang!r}: give the server's URL, e.g. "
+  if not FLAGS.server.startswith(("http://", "https://")):
+    common.fail(f"--server={FLAGS.server!r}: give the server's URL, e.g. "
                 "http://127.0.0.1:30000")
   if FLAGS.poll_s <= 0:
     common.fail(f"--poll_s={FLAGS.poll_s:g}: must be positive")
@@ -106,7 +112,7 @@ def main(argv):
   check_flags()
   c = common.load_config()
   from fr_jax.models import registry
-  from fr_jax.rollout.sglang import Reason, SGLangEngine, SGLangError
+  from fr_jax.rollout.http_engine import EngineError
   from fr_jax.transport import relay
   from fr_jax.transport.client import WeightsClient
   try:
@@ -115,19 +121,21 @@ def main(argv):
   except (registry.ModelNotFound, registry.CheckpointError) as e:
     common.fail(f"model {c.model.name!r}: {e}")
   client_token = common.secret(FLAGS.auth_token, "FR_JAX_TOKEN")
-  client = WeightsClient(FLAGS.learner, worker_id=FLAGS.relay_id or f"relay@{FLAGS.sglang}",
+  client = WeightsClient(FLAGS.learner, worker_id=FLAGS.relay_id or f"relay@{FLAGS.server}",
                          token=client_token,
                          tls_ca=FLAGS.tls_ca, tls_cert=FLAGS.tls_cert,
                          tls_key=FLAGS.tls_key)
-  key = common.secret(FLAGS.sglang_api_key, "SGLANG_API_KEY")
-  server = SGLangEngine(FLAGS.sglang, api_key=key or None, max_concurrency=1)
+  from fr_jax.system import server_engine
+  Engine = server_engine(FLAGS.engine)  # noqa: N806 (a class)
+  key = common.secret(FLAGS.api_key, Engine.api_key_env)
+  server = Engine(FLAGS.server, api_key=key or None, max_concurrency=1)
   use_shards = {"auto": None, "shards": True, "whole": False}[FLAGS.fetch]
   r = relay.Relay(client, server.update_weights, FLAGS.dir, cfg, tokenizer_files,
                   use_shards=use_shards, streams=FLAGS.streams,
-                  server=FLAGS.sglang, keep=FLAGS.keep, poll_s=FLAGS.poll_s,
-                  load_errors=(SGLangError,), fetch_timeout_s=FLAGS.fetch_timeout_s,
+                  server=FLAGS.server, keep=FLAGS.keep, poll_s=FLAGS.poll_s,
+                  load_errors=(EngineError,), fetch_timeout_s=FLAGS.fetch_timeout_s,
                   # retried: no answer (a load of the same path and version is idempotent)
-                  unreachable=lambda e: e.reason in (Reason.UNREACHABLE, Reason.TIMEOUT),
+                  unreachable=Engine.rides_out,
                   served=server.served_version,
                   say=lambda line: print(line, flush=True))
   peers = None

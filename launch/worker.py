@@ -4,7 +4,7 @@ r"""A rollout worker process: streams trajectories to a learner (`launch/learner
       --learner=127.0.0.1:50051 --worker_index=0 --num_workers=2
   # drive an SGLang server or gateway instead of the embedded engine
   python -m launch.worker --config=... --learner=HOST:PORT \
-      --config.rollout.engine=sglang --config.rollout.sglang_url=http://gpu-host:30000
+      --config.rollout.engine=sglang --config.rollout.server_url=http://gpu-host:30000
 
 It takes prompt shard `worker_index` of `num_workers`, fetches the learner's current weights,
 and runs until the learner says the run is over. While the learner is unreachable (a

@@ -272,7 +272,7 @@ def test_slurm_run_wires_the_hosts(rendered, slurm_calls):
   assert flag_value(a, "config") == k.run_config  # the model's HF config and tokenizer
   assert flag_value(a, "config.model.name") == f"hf:{k.checkpoint}"
   assert flag_value(a, "learner") == learner0
-  assert flag_value(a, "sglang") == f"http://127.0.0.1:{k.sglang.port}"
+  assert flag_value(a, "server") == f"http://127.0.0.1:{k.sglang.port}"
   assert flag_value(a, "dir").startswith(k.relay.dir + ".")  # private to the job (mktemp -d)
   assert "auth_token" not in flag_names(a)
   a = py["launch.router"]
@@ -285,7 +285,7 @@ def test_slurm_run_wires_the_hosts(rendered, slurm_calls):
   assert flag_value(a, "worker_index") == "0"  # srun's task id (the stub runs task 0)
   assert flag_value(a, "num_workers") == str(k.workers.count)
   assert flag_value(a, "config.rollout.engine") == "sglang"
-  assert flag_value(a, "config.rollout.sglang_url") == f"http://{rollout[0]}:{k.router.port}"
+  assert flag_value(a, "config.rollout.server_url") == f"http://{rollout[0]}:{k.router.port}"
 
 
 def test_scripts_refuse_to_start_without_the_token(rendered, tmp_path):
@@ -360,7 +360,7 @@ def test_k8s_manifests(rendered):
   vols = {v["name"]: v for v in by[("StatefulSet", f"{k.name}-sglang")]["spec"]["template"]
           ["spec"]["volumes"]}
   assert vols["sglang-key"]["secret"]["secretName"] == k.k8s.sglang_key_secret
-  assert flag_value(relay["args"], "sglang") == f"http://127.0.0.1:{k.sglang.port}"
+  assert flag_value(relay["args"], "server") == f"http://127.0.0.1:{k.sglang.port}"
   assert flag_value(relay["args"], "learner") == f"{learner0}:{k.learner.port}"
   assert flag_value(relay["args"], "dir") == k.relay.dir
   assert flag_value(relay["args"], "config.model.name") == f"hf:{k.checkpoint}"
@@ -381,7 +381,7 @@ def test_k8s_manifests(rendered):
   assert flag_value(a, "worker_index") == "$(JOB_COMPLETION_INDEX)"
   assert flag_value(a, "num_workers") == str(k.workers.count)
   assert flag_value(a, "learner") == f"{learner0}:{k.learner.port}"
-  assert flag_value(a, "config.rollout.sglang_url") == f"http://{k.name}-router.{svc}:" \
+  assert flag_value(a, "config.rollout.server_url") == f"http://{k.name}-router.{svc}:" \
                                                       f"{k.router.port}"
 
   # Who may reach which port (the policies select pods by the labels the workloads carry).

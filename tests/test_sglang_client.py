@@ -529,12 +529,12 @@ def test_a_worker_rides_out_a_server_restart(tiny_model, monkeypatch):
   from fr_jax import system
   from tests import helpers
   monkeypatch.setenv("SGLANG_API_KEY", "k")
-  c = helpers.cfg(**{"rollout.engine": "sglang", "rollout.sglang_timeout_s": 3.0,
+  c = helpers.cfg(**{"rollout.engine": "sglang", "rollout.server_timeout_s": 3.0,
                      "rollout.inflight": 2})
   max_len = c.agent.max_total_tokens + 1
   server = StandInSGLang(tiny_model, num_slots=4, max_len=max_len, api_key="k", step_delay=0.02)
   port = int(server.url.rsplit(":", 1)[1])
-  c.rollout.sglang_url = server.url
+  c.rollout.server_url = server.url
   client, stop, errors = _Collect(), threading.Event(), []
   w = system.build_worker(c, client, tiny_model, index=0, num_shards=1)
 
@@ -576,7 +576,7 @@ def test_a_task_the_server_always_refuses_is_skipped_after_three_attempts(tiny_m
   from fr_jax import system
   from tests import helpers
   server = StandInSGLang(tiny_model, num_slots=4, max_len=64)  # every prompt is too long
-  c = helpers.cfg(**{"rollout.engine": "sglang", "rollout.sglang_url": server.url,
+  c = helpers.cfg(**{"rollout.engine": "sglang", "rollout.server_url": server.url,
                      "rollout.inflight": 1})
   client, stop = _Collect(), threading.Event()
   w = system.build_worker(c, client, tiny_model, index=0, num_shards=1)

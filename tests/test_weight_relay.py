@@ -294,7 +294,7 @@ def test_damaged_or_cut_fetches_are_retried_until_whole(tmp_path, monkeypatch):
 
 def test_bad_flags_fail_with_one_line(tmp_path):
   for args, needle in [([f"--dir={tmp_path}", "--keep=0"], "--keep=0"),
-                       ([f"--dir={tmp_path}", "--sglang=localhost:30000"], "--sglang"),
+                       ([f"--dir={tmp_path}", "--server=localhost:30000"], "--server"),
                        (["--learner=127.0.0.1:1"], "--dir is required"),
                        ([f"--dir={tmp_path}", "--learner=nohost"], "--learner='nohost'")]:
     out = subprocess.run([sys.executable, "-m", "launch.weight_relay", CONFIG, *args],
@@ -437,7 +437,7 @@ def test_router_two_servers_two_relays_exact_versions(tmp_path, tiny_model):
       stdout=open(tmp_path / "router.log", "w"), stderr=subprocess.STDOUT)
   relays = [subprocess.Popen(
       [sys.executable, "-m", "launch.weight_relay", CONFIG, f"--learner=127.0.0.1:{port}",
-       f"--sglang={s.url}", f"--dir={tmp_path / f'relay{k}'}", "--poll_s=0.2"],
+       f"--server={s.url}", f"--dir={tmp_path / f'relay{k}'}", "--poll_s=0.2"],
       stdout=subprocess.PIPE, stderr=open(tmp_path / f"relay{k}.log", "w"), text=True, env=ENV)
       for k, s in enumerate(standins)]
   url = f"http://127.0.0.1:{rport}"

@@ -255,7 +255,7 @@ def run_case(model: str, dtype: str, out_root: Path, design: str, n_relays: int)
   relays = [subprocess.Popen(
       [sys.executable, "-m", "launch.weight_relay", "--config=experiments/configs/cpu_default.py",
        f"--config.model.name={model}", f"--config.model.param_dtype={dtype}",
-       f"--learner=127.0.0.1:{port}", f"--sglang={s.url}", f"--dir={d}",
+       f"--learner=127.0.0.1:{port}", f"--server={s.url}", f"--dir={d}",
        f"--poll_s={FLAGS.poll_s}", f"--relay_id=relay{k}", *extra],
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
       for k, (s, d) in enumerate(zip(standins, rdirs))]

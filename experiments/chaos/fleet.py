@@ -150,7 +150,7 @@ class Fleet:
     self.relays[i] = self._spawn(
         ["-m", "launch.weight_relay", f"--config={FLAGS.config}",
          f"--learner=127.0.0.1:{self.proxy.port}",
-         f"--sglang=http://127.0.0.1:{self.server_ports[i]}",
+         f"--server=http://127.0.0.1:{self.server_ports[i]}",
          f"--dir={self.run / f'relay-{i}'}", "--poll_s=0.5"], f"relay-{i}.log")
 
   def start_worker(self, i: int) -> None:
@@ -158,8 +158,8 @@ class Fleet:
         ["-m", "launch.worker", *self.common, f"--learner=127.0.0.1:{self.proxy.port}",
          f"--worker_index={i}", f"--num_workers={FLAGS.workers}",
          "--config.rollout.engine=sglang",
-         f"--config.rollout.sglang_url=http://127.0.0.1:{self.router_port}",
-         "--config.rollout.sglang_timeout_s=60",
+         f"--config.rollout.server_url=http://127.0.0.1:{self.router_port}",
+         "--config.rollout.server_timeout_s=60",
          f"--ack_ledger={self.run / 'ledger' / f'worker-{i}.txt'}"], f"worker-{i}.log")
 
   def server_version(self, i: int):

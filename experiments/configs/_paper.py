@@ -17,7 +17,7 @@ def base(checkpoint_env: str):
   c.packing.row_buckets = (8, 16, 24, 32, 48, 64)
   c.mesh.data, c.mesh.fsdp = 2, 4  # 8 accelerators; scale the axes with the fleet
   c.rollout.engine = "sglang"
-  c.rollout.sglang_url = os.environ.get("SGLANG_URL", "http://127.0.0.1:30000")
+  c.rollout.server_url = os.environ.get("SGLANG_URL", "http://127.0.0.1:30000")
   c.rollout.inflight = 256
   c.service.export_hf = True  # the SGLang fleet reloads from run_dir/exports
   c.service.queue_capacity = 1024

@@ -60,7 +60,11 @@ TINY_CONFIGS = {
 # see real text.
 TINY_CONFIGS["tiny-chat"] = TINY_CONFIGS["tiny-llama"].replace(vocab_size=320, rope_llama3=None)
 TINY_CONFIGS["tiny-chat-moe"] = TINY_CONFIGS["tiny-qwen3-moe"].replace(vocab_size=320)
-TINY_TOKENIZED = {"tiny-chat", "tiny-chat-moe"}
+# tiny-chat with 64-wide heads: vLLM's CPU attention takes head sizes 32, 64, 80, ... only
+# (the vLLM engine's tests serve it).
+TINY_CONFIGS["tiny-chat-hd64"] = TINY_CONFIGS["tiny-chat"].replace(
+    hidden_size=128, num_heads=2, num_kv_heads=1, head_dim=64)
+TINY_TOKENIZED = {"tiny-chat", "tiny-chat-moe", "tiny-chat-hd64"}
 
 # deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B
 _R1_DISTILL_QWEN_1_5B = {

@@ -135,6 +135,8 @@ class _Slot:
 
 class EmbeddedEngine:
   """Continuous-batching sampler for one model on this process's devices."""
+  weight_format = "arrays"  # update_weights takes the parameters themselves
+  errors = ()  # nothing to ride out: a failure here is a bug
 
   def __init__(self, cfg: ModelConfig, params, *, tokenizer=None, num_slots: int = 8,
                max_len: int = 1024, version: int = 0, min_bucket: int = 16,

@@ -4,8 +4,9 @@
 behaviour log-probs (from the distribution that sampled them: softmax(logits / T), and with
 top_p < 1 the renormalised nucleus; greedy reports log_softmax(logits)), the finish reason
 (stop, length or abort) and the policy version that produced each token. Backends: the
-embedded JAX engine (`fr_jax.rollout.embedded`) and an SGLang server or gateway
-(`fr_jax.rollout.sglang`).
+embedded JAX engine (`fr_jax.rollout.embedded`), an SGLang server or gateway
+(`fr_jax.rollout.sglang`) and a vLLM server (`fr_jax.rollout.vllm`); `fr_jax.system`'s engine
+factory builds the one a config names.
 
 Routing replay (mixture-of-experts models). A request with `routed_experts_start = s` (not
 None) asks for the experts each fed position used: the completion's `routed_experts` is an
@@ -70,6 +71,8 @@ class Completion:
 
 class Engine(Protocol):
   version: int
+  weight_format: str  # what update_weights takes: "arrays" (parameters) or "hf" (a directory)
+  errors: tuple  # exception types a worker rides out (a server down, restarting, refusing)
 
   def generate(self, requests: Sequence[Request],
                should_abort: Callable[[], bool] | None = None) -> list[Completion]:
@@ -77,4 +80,4 @@ class Engine(Protocol):
 
   def update_weights(self, weights, version: int) -> None:
     """Swap in new policy weights (arrays for the embedded engine, an HF directory for
-    SGLang) between decode steps; tokens sampled afterwards carry `version`."""
+    SGLang and vLLM) between decode steps; tokens sampled afterwards carry `version`."""

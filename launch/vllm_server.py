@@ -6,8 +6,11 @@ r"""A vLLM server the way the fleet needs it (fr_jax/rollout/vllm.py), from .ven
   python -m launch.vllm_server --model=/path/to/hf_dir --dtype=bfloat16 --port=30001
 
 --model is an HF directory (config.json, safetensors, tokenizer.json) or a registry model
-name (smollm2-135m-instruct, tiny-chat, ...), written as an HF directory under --export_dir
-first (`hf_io.save_hf`; weights as the registry loads them). The server runs
+name (smollm2-135m-instruct, tiny-chat-hd64, ...), written as an HF directory under
+--export_dir first (`hf_io.save_hf`; weights as the registry loads them). A model whose LM
+head is tied to its embeddings (SmolLM2) is served from an untied copy under --export_dir
+(the head a tensor of its own; safetensors linked, not copied): vLLM 0.32 on CPU keeps a
+tied head's old weights through an in-place weight update (fr_jax/rollout/vllm.py). The server runs
 `vllm.entrypoints.openai.api_server` with `--logprobs-mode processed_logprobs` (each token's
 log-prob from the distribution that sampled it), `--enable-scale-out` (token ids in and
 out), `VLLM_SERVER_DEV_MODE=1` (pause, reload, version routes) and the key from
@@ -23,7 +26,9 @@ log goes to --log (default: stderr). Any further arguments after `--` go to vLLM
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -142,7 +147,8 @@ def kill(proc: subprocess.Popen) -> None:
 
 
 def export_model(name: str, out_dir, *, param_dtype: str = "float32") -> Path:
-  """An HF directory for `name` (a registry model) under `out_dir/<name>`, written once."""
+  """An HF directory for `name` (a registry model) under `out_dir/<name>`, written once,
+  its LM head untied (`hf_io.untie_head`: what the vLLM engine's weight updates need)."""
   from fr_jax.models import hf_io, registry
   d = Path(out_dir) / name.replace("/", "_").replace(":", "_")
   if (d / "config.json").is_file():
@@ -150,7 +156,37 @@ def export_model(name: str, out_dir, *, param_dtype: str = "float32") -> Path:
   m = registry.load(name, param_dtype=param_dtype)
   if m.tokenizer is None:
     raise ServerError(f"model {name!r} has no tokenizer; vLLM needs tokenizer.json")
-  hf_io.save_hf(d, m.params, m.config, tokenizer_files=m.tokenizer.files())
+  tmp = d.with_name(f".{d.name}.tmp")
+  shutil.rmtree(tmp, ignore_errors=True)
+  hf_io.save_hf(tmp, m.params, m.config, tokenizer_files=m.tokenizer.files())
+  hf_io.untie_head(tmp)
+  tmp.rename(d)
+  return d
+
+
+def untied(model_dir, out_dir) -> Path:
+  """`model_dir` itself if its LM head is untied; otherwise an untied copy under `out_dir`
+  (its safetensors linked, not copied; `hf_io.untie_head` adds the head), made once."""
+  from fr_jax.models import hf_io
+  model_dir = Path(model_dir).absolute()
+  config = json.loads((model_dir / "config.json").read_text())
+  if not config.get("tie_word_embeddings", False):
+    return model_dir
+  d = Path(out_dir).absolute() / f"{model_dir.name}-untied"
+  if (d / hf_io.UNTIED_HEAD_FILE).is_file():
+    return d
+  tmp = d.with_name(f".{d.name}.tmp")
+  shutil.rmtree(tmp, ignore_errors=True)
+  tmp.mkdir(parents=True)
+  for f in model_dir.iterdir():
+    if f.is_file():
+      if f.suffix == ".safetensors":
+        (tmp / f.name).symlink_to(f)
+      else:
+        shutil.copy2(f, tmp / f.name)
+  hf_io.untie_head(tmp)
+  shutil.rmtree(d, ignore_errors=True)
+  tmp.rename(d)
   return d
 
 
@@ -176,13 +212,17 @@ def main(argv=None) -> int:
   if f.kv_cache_gib < 1:
     common.fail(f"--kv_cache_gib={f.kv_cache_gib}: at least 1")
   model_dir = Path(f.model)
-  if not model_dir.is_dir():
-    from fr_jax.models import registry
-    try:
+  from fr_jax.models import registry
+  try:
+    if model_dir.is_dir():
+      if not (model_dir / "config.json").is_file():
+        common.fail(f"--model={f.model}: a directory without config.json is not an HF model")
+      model_dir = untied(model_dir, f.export_dir)
+    else:
       print(f"vllm: writing {f.model} as an HF directory under {f.export_dir}", flush=True)
       model_dir = export_model(f.model, f.export_dir)
-    except (registry.ModelNotFound, registry.CheckpointError, ServerError) as e:
-      common.fail(f"--model={f.model}: {e}")
+  except (registry.ModelNotFound, registry.CheckpointError, ServerError, OSError) as e:
+    common.fail(f"--model={f.model}: {e}")
   extra = args[1:]
   try:
     proc = start(model_dir, port=f.port, host=f.host, api_key=key or None, dtype=f.dtype,

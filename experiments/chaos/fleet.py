@@ -2,6 +2,7 @@ r"""The fleet fault-injection run: exactly once, and a fleet that keeps up, when
 take beyond one machine breaks.
 
   make chaos-fleet                                  # 10 minutes, the acceptance run
+  make chaos-fleet ENGINE=vllm                      # the same with 2 real vLLM servers
   python -m experiments.chaos.fleet --duration_s=60 --learner_kills=1 --server_restarts=1 \
       --relay_kills=1 --worker_faults=1 --refusal_windows=1 --poison_rounds=1   # make test's
 
@@ -23,6 +24,16 @@ random times, it injects:
 * refusal windows: one server refuses every weight load for 3 s;
 * poison rounds: the single-learner run's four hostile records, and a record with routing of
   the wrong shape (this model is dense: admission drops the routing and admits the record).
+
+With `--engine=vllm` the servers are REAL vLLM 0.32 servers (`launch.vllm_server`, .venv-vllm
+from `make vllm-tools`) serving tiny-chat-hd64 (vLLM's CPU attention needs 64-wide heads;
+learner, relays and workers use the same model), each with its relay (`--engine=vllm`:
+versions written untied, loaded in place with pause/reload/resume). No router: sglang-router
+forwards SGLang's routes, not vLLM's `/inference/v1/generate`, so worker i talks to server
+i mod 2 directly. A server restart SIGKILLs the server's whole process group (API server and
+engine) and starts it again on its port. Refusal windows need a server that can be told to
+refuse (the stand-in's `--refuse_file`); vLLM cannot, so none are injected there (the JSON
+says `refusal_windows: "n/a (vllm)"`).
 
 It prints one JSON line, the ledger (`experiments/chaos/run.py`'s audit of every
 acknowledged record against metrics.jsonl, the admission log and the dead letters) and:
@@ -58,8 +69,13 @@ from absl import app, flags
 from experiments.benchmarks.common import machine
 from experiments.chaos import run as single
 from experiments.chaos.proxy import CuttingProxy
+from launch import vllm_server
 
-flags.DEFINE_integer("server_restarts", 10, "SGLang stand-in SIGKILLs and restarts")
+VLLM_MODEL = "tiny-chat-hd64"
+
+flags.DEFINE_enum("engine", "sglang", ["sglang", "vllm"], "the servers: SGLang stand-ins "
+                  "behind sglang-router, or real vLLM servers")
+flags.DEFINE_integer("server_restarts", 10, "server SIGKILLs and restarts")
 flags.DEFINE_integer("relay_kills", 10, "weight relay SIGKILLs (mid-write when caught)")
 flags.DEFINE_integer("refusal_windows", 6, "3-s windows in which one server refuses loads")
 flags.DEFINE_float("stall_s", 300.0, "a fault not followed by an update within this is a "
@@ -84,15 +100,21 @@ class Fleet:
     for d in ("ledger", "logs", "faults"):
       (run / d).mkdir(parents=True, exist_ok=True)
     self.key = secrets.token_hex(16)
+    self.vllm = FLAGS.engine == "vllm"
     self.env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="",
                     JAX_COMPILATION_CACHE_DIR=str(run / "jax_cache"),
-                    FR_JAX_LEARNER_SECRET=secrets.token_hex(16), SGLANG_API_KEY=self.key)
+                    FR_JAX_LEARNER_SECRET=secrets.token_hex(16), SGLANG_API_KEY=self.key,
+                    VLLM_API_KEY=self.key)
     self.learner_port = free_port()
     self.proxy = CuttingProxy(self.learner_port)
     self.server_ports = [free_port(), free_port()]
     self.router_port = free_port()
+    self.model = [f"--config.model.name={VLLM_MODEL}"] if self.vllm else []
     self.common = [f"--config={FLAGS.config}", f"--run_dir={run}",
-                   "--config.checkpoint.async_save=True", "--config.checkpoint.every=2"]
+                   "--config.checkpoint.async_save=True", "--config.checkpoint.every=2",
+                   *self.model]
+    if self.vllm:  # the servers' launch weights: the learner's version 0
+      self.model_dir = vllm_server.export_model(VLLM_MODEL, run / "models")
     self.learners: list[subprocess.Popen] = []
     self.learner_starts = 0
     self.servers: dict[int, subprocess.Popen] = {}
@@ -135,9 +157,24 @@ class Fleet:
 
   # --- the fleet ---
   def start_server(self, i: int) -> None:
+    if self.vllm:  # its own process group: a kill takes the API server and its engine
+      self.servers[i] = vllm_server.start(
+          self.model_dir, port=self.server_ports[i], api_key=self.key,
+          log=self.run / "logs" / f"server-{i}.log", max_model_len=1024)
+      return
     self.servers[i] = self._spawn(
         ["-m", "tests.sglang_standin", f"--port={self.server_ports[i]}",
          f"--refuse_file={self.run / 'faults' / f'refuse-{i}'}"], f"server-{i}.log")
+
+  def kill_server(self, i: int) -> None:
+    if self.vllm:
+      vllm_server.kill(self.servers[i])
+    else:
+      self.servers[i].send_signal(signal.SIGKILL)
+      self.servers[i].wait()
+
+  def server_url(self, i: int) -> str:
+    return f"http://127.0.0.1:{self.server_ports[i]}"
 
   def start_router(self) -> None:
     self.router = self._spawn(
@@ -148,23 +185,26 @@ class Fleet:
 
   def start_relay(self, i: int) -> None:
     self.relays[i] = self._spawn(
-        ["-m", "launch.weight_relay", f"--config={FLAGS.config}",
-         f"--learner=127.0.0.1:{self.proxy.port}",
-         f"--server=http://127.0.0.1:{self.server_ports[i]}",
+        ["-m", "launch.weight_relay", f"--config={FLAGS.config}", *self.model,
+         f"--learner=127.0.0.1:{self.proxy.port}", f"--engine={FLAGS.engine}",
+         f"--server={self.server_url(i)}",
          f"--dir={self.run / f'relay-{i}'}", "--poll_s=0.5"], f"relay-{i}.log")
 
   def start_worker(self, i: int) -> None:
     self.workers[i] = self._spawn(
         ["-m", "launch.worker", *self.common, f"--learner=127.0.0.1:{self.proxy.port}",
          f"--worker_index={i}", f"--num_workers={FLAGS.workers}",
-         "--config.rollout.engine=sglang",
-         f"--config.rollout.server_url=http://127.0.0.1:{self.router_port}",
+         f"--config.rollout.engine={FLAGS.engine}",
+         # vLLM: no router in front (module docstring); worker i uses server i mod 2
+         f"--config.rollout.server_url="
+         f"{self.server_url(i % 2) if self.vllm else f'http://127.0.0.1:{self.router_port}'}",
          "--config.rollout.server_timeout_s=60",
          f"--ack_ledger={self.run / 'ledger' / f'worker-{i}.txt'}"], f"worker-{i}.log")
 
   def server_version(self, i: int):
     """What server i says it holds (None: "default", or it does not answer)."""
-    req = urllib.request.Request(f"http://127.0.0.1:{self.server_ports[i]}/model_info",
+    route = "/weight_info" if self.vllm else "/model_info"
+    req = urllib.request.Request(self.server_url(i) + route,
                                  headers={"Authorization": f"Bearer {self.key}"})
     try:
       with urllib.request.urlopen(req, timeout=2) as r:
@@ -201,7 +241,8 @@ def main(argv):
   fleet.start_learner()
   for i in range(2):
     fleet.start_server(i)
-  fleet.start_router()
+  if not fleet.vllm:
+    fleet.start_router()
   t_limit = time.monotonic() + 600
   while not fleet.serving():
     if any(p.poll() is not None for p in fleet.learners) or time.monotonic() > t_limit:
@@ -220,7 +261,8 @@ def main(argv):
   note("first update done; injecting faults")
   plan = [("learner_kill", FLAGS.learner_kills), ("server_restart", FLAGS.server_restarts),
           ("relay_kill", FLAGS.relay_kills), ("worker_fault", FLAGS.worker_faults),
-          ("refusal", FLAGS.refusal_windows), ("poison", FLAGS.poison_rounds)]
+          ("refusal", 0 if fleet.vllm else FLAGS.refusal_windows),
+          ("poison", FLAGS.poison_rounds)]
   events = []
   for kind, n in plan:
     gap = FLAGS.duration_s / max(n, 1)
@@ -265,8 +307,7 @@ def main(argv):
           round(took, 1) if took is not None else dict(restored=restored, held=held))
     elif kind == "server_restart":
       i = rng.randrange(2)
-      fleet.servers[i].send_signal(signal.SIGKILL)
-      fleet.servers[i].wait()
+      fleet.kill_server(i)
       time.sleep(rng.uniform(1.0, 3.0))
       hb = poisoner.stats(timeout=30)
       floor = hb["version"] if hb else 0  # what the learner had when the server came back
@@ -351,9 +392,11 @@ def main(argv):
       p.wait()
   fleet.learners[0].send_signal(signal.SIGTERM)
   codes = [p.wait(timeout=180) for p in fleet.learners]
-  for p in [*fleet.servers.values(), fleet.router]:
-    p.kill()
-    p.wait()
+  for i in fleet.servers:
+    fleet.kill_server(i)
+  if fleet.router is not None:
+    fleet.router.kill()
+    fleet.router.wait()
   fleet.proxy.close()
   result = single.audit(fleet)
   relay_failures = collections.Counter()
@@ -362,7 +405,11 @@ def main(argv):
       if line.startswith("{") and '"failures"' in line:
         relay_failures.update(json.loads(line)["failures"])
   result.update(
-      chaos="fleet fault injection", workers=FLAGS.workers, duration_s=FLAGS.duration_s,
+      chaos="fleet fault injection", engine=FLAGS.engine,
+      servers="2 vLLM 0.32 (real), direct URLs" if fleet.vllm else
+      "2 SGLang stand-ins behind sglang-router",
+      refusal_windows="n/a (vllm)" if fleet.vllm else FLAGS.refusal_windows,
+      workers=FLAGS.workers, duration_s=FLAGS.duration_s,
       faults=dict(faults), stalls=len(stalls), stalled_after=stalls,
       next_update_after_fault_s={k: single._stats(v) for k, v in sorted(recovery.items())},
       convergence_s=single._stats(convergence),

@@ -309,3 +309,56 @@ def export_hf(path, params, cfg: ModelConfig, tokenizer=None) -> Path:
   files (a `fr_jax.models.tokenizer.Tokenizer`, or None for none) beside the weights."""
   files = tokenizer.files() if tokenizer is not None else None
   return save_hf(path, params, cfg, tokenizer_files=files)
+
+
+HEAD, EMBED = "lm_head.weight", "model.embed_tokens.weight"
+UNTIED_HEAD_FILE = "lm_head.safetensors"
+
+
+def _safetensors_entry(file: Path, name: str) -> tuple[dict, bytes]:
+  """(header entry {dtype, shape, data_offsets}, raw bytes) of tensor `name` in a
+  safetensors file, read without converting its dtype (bf16 included)."""
+  with open(file, "rb") as f:
+    n = int.from_bytes(f.read(8), "little")
+    header = json.loads(f.read(n))
+    if name not in header:
+      raise CheckpointError(f"{file} has no tensor {name!r}")
+    entry = header[name]
+    start, end = entry["data_offsets"]
+    f.seek(8 + n + start)
+    return entry, f.read(end - start)
+
+
+def untie_head(path) -> bool:
+  """Makes an HF directory whose LM head is tied to the embeddings an untied one with the
+  same values: `lm_head.safetensors` holds a copy of `model.embed_tokens.weight` (its dtype
+  and bytes as they are), config.json says tie_word_embeddings false, and a sharded index
+  names the new file. Every file is written whole (`durable.write_files`). Returns False for
+  a directory that is untied already. The result is for vLLM, which reads every
+  *.safetensors of a directory without an index (transformers reads model.safetensors alone
+  then, and would miss the head; with an index both read it).
+
+  Why: vLLM 0.32 on CPU packs each linear layer's weights into a kernel copy when it loads
+  them; an in-place reload repacks only the layers it loads weights for, and a tied head has
+  none of its own, so it kept the old weights after a reload (measured: tokens sampled from
+  the new embeddings and the old head). Untied, the head is loaded and repacked like any
+  other layer."""
+  path = Path(path)
+  config = json.loads((path / "config.json").read_text())
+  if not config.get("tie_word_embeddings", False):
+    return False
+  index_file = path / "model.safetensors.index.json"
+  index = json.loads(index_file.read_text()) if index_file.is_file() else None
+  source = path / (index["weight_map"][EMBED] if index else "model.safetensors")
+  entry, raw = _safetensors_entry(source, EMBED)
+  head = {HEAD: {"dtype": entry["dtype"], "shape": entry["shape"],
+                 "data_offsets": [0, len(raw)]}, "__metadata__": {"format": "pt"}}
+  header = json.dumps(head, separators=(",", ":")).encode()
+  header += b" " * (-len(header) % 8)  # the data starts 8-byte aligned
+  files = {UNTIED_HEAD_FILE: len(header).to_bytes(8, "little") + header + raw,
+           "config.json": json.dumps(config | {"tie_word_embeddings": False}, indent=2)}
+  if index:
+    index["weight_map"][HEAD] = UNTIED_HEAD_FILE
+    files[index_file.name] = json.dumps(index, indent=2)
+  durable.write_files(path, files)
+  return True

@@ -33,6 +33,16 @@ model directory, measured): the engine checks that the directory holds config.js
 safetensors before asking, and a relay writes only whole versions. Shapes are the relay's
 check (`transport/relay.py`), before any load.
 
+A tied LM head (SmolLM2, the tiny models) must be untied on disk: vLLM on CPU packs each
+linear layer's weights into a kernel copy at load, and an in-place reload repacks only the
+layers that receive weights. A head tied to the embeddings receives none, so after a reload
+it kept the old weights: tokens were sampled from the new embeddings and the old head
+(measured: log-probs off by up to 33 nats from either version's). `prepare_weights`
+(`hf_io.untie_head`) writes the head as its own tensor, a copy of the embeddings, and the
+engine refuses a tied directory with that reason. The weight relay prepares every version
+it writes (`launch.weight_relay --engine=vllm`); `launch.vllm_server` starts the server from
+an untied copy.
+
 Routing replay (mixture-of-experts models) is refused: vLLM returns routed experts only with
 its V2 model runner (`--enable-return-routed-experts`), which the CPU build does not use, so
 there is no server here to read them from. `Reason.NO_ROUTING` says so.
@@ -45,12 +55,14 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import json
 import math
 import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from fr_jax.models.hf_io import untie_head
 from fr_jax.rollout.engine import FINISH, Completion, Request
 from fr_jax.rollout.http_engine import EngineError, HTTPClient, Reason, rides_out
 
@@ -75,6 +87,9 @@ class VLLMEngine:
   errors = (VLLMError,)  # what a worker rides out (a server down, restarting, refusing)
   api_key_env = "VLLM_API_KEY"
   rides_out = staticmethod(rides_out)  # a load that failed without an answer: try again
+  # What a weight relay does to each version directory before this engine loads it: the LM
+  # head untied (module docstring).
+  prepare_weights = staticmethod(untie_head)
 
   def __init__(self, base_url: str, *, timeout: float = 600.0, connect_timeout: float = 10.0,
                max_concurrency: int = 64, api_key: str | None = None,
@@ -153,17 +168,22 @@ class VLLMEngine:
   def check_server(self) -> None:
     """Refuses a server whose log-probs are not those of the distribution that sampled
     (module docstring: the gap between the top two log-probs doubles at T = 0.5)."""
-    if self._checked:
-      return
+    with self._lock:  # not across a weight update: both answers from the same weights
+      if not self._checked:
+        self._check_logprobs()
+        self._checked = True
+
+  def _check_logprobs(self) -> None:
     gaps = {}
     for prompt in ([0], [1, 2], [3, 4, 5]):
       for t in (1.0, 0.5):
         r = Request("fr-jax-logprobs-check", prompt, max_new_tokens=1, temperature=t)
         answer = self.http.call(GENERATE, self.payload(r, prompt, 1, top_logprobs=2))
         try:
+          # the sampled token first, then the top 2 (the sampled one may be among them)
           top = answer["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
-          by_rank = {int(e["rank"]): float(e["logprob"]) for e in top}
-          gaps[t] = (by_rank[1] - by_rank[2], by_rank[1], by_rank[2])
+          a, b = sorted({int(e["token_id"]): float(e["logprob"]) for e in top}.values())[-1:-3:-1]
+          gaps[t] = (a - b, a, b)
         except (KeyError, TypeError, ValueError, IndexError) as e:
           raise VLLMError(f"{GENERATE}: no top-2 log-probs in the answer to the log-prob check "
                           f"({e}): {str(answer)[:300]}", Reason.BAD_ANSWER) from None
@@ -178,7 +198,6 @@ class VLLMEngine:
           "T=0.5 (after temperature their gap doubles). Start it with --logprobs-mode "
           "processed_logprobs (launch/vllm_server.py does): the objective needs each token's "
           "behaviour log-prob", Reason.MISCONFIGURED)
-    self._checked = True
 
   def _one(self, r: Request, should_abort) -> Completion:
     r.check()
@@ -232,6 +251,13 @@ class VLLMEngine:
       raise VLLMError(f"update_weights: {path} is not an HF model directory (config.json and "
                       "*.safetensors) on this host; the server reads it from its own disk",
                       Reason.REFUSED)
+    if json.loads((path / "config.json").read_text()).get("tie_word_embeddings", False):
+      raise VLLMError(
+          f"update_weights: {path} ties the LM head to the embeddings, and vLLM 0.32 on CPU "
+          "keeps a tied head's old weights through an in-place reload (module docstring). "
+          "Load an untied copy (`fr_jax.models.hf_io.untie_head`; launch.weight_relay "
+          "--engine=vllm writes its versions untied, launch.vllm_server starts from one)",
+          Reason.REFUSED)
     with self._lock:
       self.http.call("/pause", params={"mode": self.pause_mode})
       try:

@@ -15,8 +15,10 @@ One loop, one version at a time:
    A version is visible only whole: a crash or kill mid-write leaves a hidden `.vNNNNNNNN.*`
    directory, which the next start removes; a write that fails (a full disk) leaves nothing
    and is tried again after the next poll. The last `keep` versions stay on disk.
-4. **Load.** `load(path, version)` (the launcher passes `SGLangEngine.update_weights`: pause,
-   `/update_weights_from_disk` with `weight_version`, continue). Retried after a backoff
+4. **Load.** `load(path, version)` (the launcher passes the engine's `update_weights`; for
+   SGLang: pause, `/update_weights_from_disk` with `weight_version`, continue). Before a
+   version becomes visible, `prepare(dir)` finishes it for that server (the engine's
+   `prepare_weights`: vLLM's needs the LM head untied). Retried after a backoff
    only while the server cannot be reached (`unreachable(error)` for an error of
    `load_errors`). A server that answers with a refusal (another model, a bad path, an HTTP
    error) is not asked again for that version (each try pauses it): the refusal is counted
@@ -146,13 +148,18 @@ versions_on_disk, clean_partial = durable.versions_on_disk, durable.clean_partia
 
 
 def write_version(root, version: int, params, cfg: ModelConfig,
-                  tokenizer_files: dict | None = None, *, save=save_hf) -> Path:
+                  tokenizer_files: dict | None = None, *, save=save_hf,
+                  prepare: Callable[[Path], object] | None = None) -> Path:
   """Writes `params` as HF safetensors to `root/vNNNNNNNN`, whole or not at all
-  (`durable.write_version`: a hidden temporary directory, fsynced, renamed). A version
-  already there (a learner that restarted from an older checkpoint publishes its numbers
-  again) is replaced whole."""
-  return durable.write_version(root, version,
-                               lambda d: save(d, params, cfg, tokenizer_files=tokenizer_files))
+  (`durable.write_version`: a hidden temporary directory, fsynced, renamed); `prepare`, if
+  given, finishes the directory for its server before the rename. A version already there
+  (a learner that restarted from an older checkpoint publishes its numbers again) is
+  replaced whole."""
+  def fill(d):
+    save(d, params, cfg, tokenizer_files=tokenizer_files)
+    if prepare is not None:
+      prepare(d)
+  return durable.write_version(root, version, fill)
 
 
 # --- the loop ---
@@ -189,7 +196,8 @@ class Relay:
                backoff_min: float = 0.2, backoff_max: float = 5.0,
                fetch_timeout_s: float = 3600.0, max_fetch_attempts: int = 8,
                say: Callable[[str], None] = print, use_shards: bool | None = None,
-               serve_address: str = "", streams: int = 1):
+               serve_address: str = "", streams: int = 1,
+               prepare: Callable[[Path], object] | None = None):
     if keep < 1:
       raise ValueError(f"keep={keep}: keep at least the version the server loaded")
     self.client, self.load, self.out_dir = client, load, Path(out_dir)
@@ -210,6 +218,9 @@ class Relay:
     self.use_shards = use_shards  # None: if the learner serves them
     self.serve_address = serve_address  # where peers reach this relay's `serve`
     self.streams = streams  # parallel streams per source (shards)
+    # finishes each version directory for the server before it becomes visible (the
+    # engine's `prepare_weights`: vLLM's untied head)
+    self.prepare = prepare
     self.files: collections.OrderedDict = collections.OrderedDict()  # v -> VersionFile
     self._files_lock = threading.Lock()
     self.t_start = time.monotonic()
@@ -267,7 +278,8 @@ class Relay:
     params = codec.unflatten(flat)
     del flat
     try:
-      path = write_version(self.out_dir, v, hf_major(params), cfg, self.tokenizer_files)
+      path = write_version(self.out_dir, v, hf_major(params), cfg, self.tokenizer_files,
+                           prepare=self.prepare)
     except OSError as e:  # a full disk, say: nothing visible was left; the next poll retries
       self.failures["write_failed"] += 1
       log.warning("relay: cannot write v%d under %s (%s); trying again after the next poll",
@@ -329,6 +341,8 @@ class Relay:
       (d / "config.json").write_text(json.dumps(to_hf_config(cfg), indent=2))
       for name, text in (self.tokenizer_files or {}).items():
         (d / name).write_text(text)
+      if self.prepare is not None:
+        self.prepare(d)
 
     t0 = time.perf_counter()
     try:

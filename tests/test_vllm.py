@@ -1,0 +1,447 @@
+"""The vLLM engine (fr_jax/rollout/vllm.py) against a REAL vLLM 0.32 server on this CPU.
+
+One server for the file (`launch.vllm_server.start`, .venv-vllm from `make vllm-tools`),
+serving tiny-chat-hd64 (vLLM's CPU attention needs 64-wide heads) with weights drawn at
+std 0.5, so that distributions are peaked and greedy choices are clear. What is checked, and
+against what:
+
+* tokens and log-probs: vLLM's own offline `LLM.generate` on the same requests (a peer run
+  in .venv-vllm, tests/vllm_offline.py), and the JAX learner's teacher-forced scoring;
+* a server that reports raw log-probs is refused, naming the flag;
+* weights: after the relay delivers a version, and across an update mid-generation in both
+  pause modes, every token's log-prob is the one its labelled version gives it (scored by
+  the learner on those weights), and greedy tokens are that version's argmax;
+* a worker built from a config (`rollout.engine=vllm`) completes episodes, rides out a
+  SIGKILL of the server and its restart on the same port.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments.benchmarks.vllm_mismatch import learner_logp, mismatch
+from fr_jax.models import decoder, hf_io, registry
+from fr_jax.rollout.engine import Request
+from fr_jax.rollout.http_engine import Reason
+from fr_jax.rollout.vllm import VLLMEngine, VLLMError
+from fr_jax.transport import relay
+from fr_jax.transport import server as srv
+from fr_jax.transport.client import WeightsClient
+from launch import vllm_server
+from tests.helpers import wait_for
+from tests.sglang_standin import PublishedWeights
+
+NAME = "tiny-chat-hd64"
+CFG = registry.TINY_CONFIGS[NAME]
+KEY = "vllm-test-key"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def params_of(seed: int) -> dict:
+  """tiny-chat-hd64 weights (seed), NumPy, std 0.5: peaked distributions."""
+  return jax.tree.map(np.asarray, decoder.init_params(CFG, jax.random.key(seed), std=0.5))
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+class Server:
+  """The file's vLLM server, restartable on its port."""
+
+  def __init__(self, tmp: Path):
+    self.tmp, self.port = tmp, free_port()
+    self.url = vllm_server.url_of("127.0.0.1", self.port)
+    self.tok = registry.load("tiny-chat").tokenizer
+    self.dirs = {}
+    for seed in (0, 1, 2):  # untied, as the relay writes them for vLLM
+      self.dirs[seed] = tmp / f"seed{seed}"
+      hf_io.save_hf(self.dirs[seed], params_of(seed), CFG, tokenizer_files=self.tok.files())
+      assert hf_io.untie_head(self.dirs[seed])
+    self.start()
+
+  def start(self, **kw):
+    self.log = self.tmp / f"server-{time.monotonic_ns()}.log"
+    self.proc = vllm_server.start(self.dirs[0], port=self.port, api_key=KEY, log=self.log,
+                                  max_model_len=512, **kw)
+    self.ready_s = vllm_server.wait_ready(self.proc, self.url, log=self.log)
+
+  def stop(self):
+    vllm_server.stop(self.proc)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+  s = Server(tmp_path_factory.mktemp("vllm"))
+  yield s
+  s.stop()
+
+
+@pytest.fixture()
+def engine(server):
+  e = VLLMEngine(server.url, api_key=KEY, timeout=120)
+  e.update_weights(server.dirs[0], 0)  # whatever an earlier test left, start from seed 0
+  yield e
+  e.close()
+
+
+PROMPTS = [[5, 6, 7, 8], [72, 105, 33], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [300, 200, 100]]
+
+
+def requests_mix() -> list[Request]:
+  """Greedy, seeded T = 1, T = 0.7 with top-p, and a stop id, over four prompts."""
+  out = []
+  for i, p in enumerate(PROMPTS):
+    out += [Request(f"g{i}", p, max_new_tokens=24, temperature=0.0),
+            Request(f"s{i}", p, max_new_tokens=24, temperature=1.0, seed=100 + i),
+            Request(f"t{i}", p, max_new_tokens=24, temperature=0.7, top_p=0.9, seed=200 + i),
+            Request(f"x{i}", p, max_new_tokens=24, temperature=1.0, seed=300 + i,
+                    stop_token_ids=(40, 41, 42, 43, 44, 45, 46, 47))]
+  return out
+
+
+def test_tokens_and_logprobs_are_vllms_own(engine, server, tmp_path):
+  """The engine's completions are those of vLLM's offline LLM.generate for the same requests
+  (same weights, seeds and settings): the same tokens, log-probs within 1e-5, the same finish
+  reasons; and greedy and T = 1 log-probs are the learner's teacher-forced scoring's."""
+  reqs = requests_mix()
+  got = engine.generate(reqs)
+  spec = [{"prompt_ids": r.prompt_ids, "max_new_tokens": r.max_new_tokens,
+           "temperature": r.temperature, "top_p": r.top_p, "seed": r.seed,
+           "stop_token_ids": list(r.stop_token_ids)} for r in reqs]
+  (tmp_path / "reqs.json").write_text(json.dumps(spec))
+  env = vllm_server.server_env(None)
+  out = subprocess.run([str(vllm_server.DEFAULT_PYTHON), str(ROOT / "tests/vllm_offline.py"),
+                        str(server.dirs[0]), "float32", str(tmp_path / "reqs.json"),
+                        str(tmp_path / "out.json")], env=env, capture_output=True, text=True,
+                       timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  peer = json.loads((tmp_path / "out.json").read_text())
+  for r, c, p in zip(reqs, got, peer):
+    assert c.token_ids == p["token_ids"], r.request_id
+    np.testing.assert_allclose(c.logprobs, p["logprobs"], atol=1e-5, err_msg=r.request_id)
+    assert c.finish_reason == p["finish_reason"], r.request_id
+    assert c.versions == [0] * len(c.token_ids) and c.prompt_len == len(r.prompt_ids)
+  stopped = [c for r, c in zip(reqs, got) if r.stop_token_ids and c.finish_reason == "stop"]
+  assert stopped and all(c.token_ids[-1] in range(40, 48) for c in stopped)
+  assert all(len(c.token_ids) == 24 for c in got if c.finish_reason == "length")
+  # the learner's side: greedy reports log_softmax(logits), T = 1 the same, T = 0.7 of
+  # logits / 0.7 (top-p renormalises, so those are not compared here)
+  params = params_of(0)
+  for r, c in zip(reqs, got):
+    if r.top_p == 1.0:
+      want = learner_logp(params, CFG, r.prompt_ids, c.token_ids, r.temperature or 1.0)
+      np.testing.assert_allclose(c.logprobs, want, atol=2e-4, err_msg=r.request_id)
+    if r.temperature == 0:
+      assert_argmax(params, r.prompt_ids, c.token_ids)
+
+
+def test_learner_scoring_of_vllm_trajectories_passes_the_gate(engine):
+  """At lag 0 the learner's log-probs of vLLM's samples differ from vLLM's stored ones by
+  numerics only: per-token |delta| of 1e-5 typically, 1e-3 at most (on tokens of log-prob
+  near -10), and D_i far below the demo's delta, so the
+  objective's gate admits every trajectory (docs/rollout.md has SmolLM2's figures)."""
+  reqs = [Request(f"m{i}", PROMPTS[i % 4], max_new_tokens=32, temperature=1.0, seed=i)
+          for i in range(16)]
+  got = engine.generate(reqs)
+  params = params_of(0)
+  by_id = {r.request_id: r for r in reqs}
+  stats = mismatch(got, lambda c: c.logprobs,
+                   lambda c: learner_logp(params, CFG, by_id[c.request_id].prompt_ids,
+                                          c.token_ids, 1.0), delta=3e-3)
+  assert stats["tokens"] == sum(len(c.token_ids) for c in got) > 200
+  assert stats["dlogp_median"] < 1e-5 and stats["dlogp_max"] < 1e-3, stats
+  assert stats["D_max"] < 1e-6 and stats["rejected"] == 0, stats
+
+
+def test_abort_returns_the_partial_tokens(engine):
+  """should_abort ends the request on the server (by its request id): the completion keeps
+  the tokens sampled so far, finish reason abort."""
+  t0 = time.monotonic()
+  (c,) = engine.generate([Request("long", [5, 6], max_new_tokens=480, temperature=1.0)],
+                         should_abort=lambda: time.monotonic() - t0 > 0.3)
+  assert c.finish_reason == "abort" and 0 < len(c.token_ids) < 480
+  assert len(c.logprobs) == len(c.versions) == len(c.token_ids)
+
+
+@jax.jit
+def _logits(params, seq_1xL):
+  h, _ = decoder.forward(params, CFG, seq_1xL, jnp.arange(seq_1xL.shape[1])[None])
+  return decoder.logits_from_hidden(params, CFG, h)[0]
+
+
+def assert_argmax(params, prompt, tokens, idx=None):
+  """Each greedy token (at `idx`, default all) is the argmax of the learner's logits after
+  the tokens before it; a near-tie (top two within 1e-4) may go either way."""
+  seq = list(prompt) + list(tokens)
+  z = np.asarray(_logits(params, jnp.asarray([seq + [0] * (512 - len(seq))])))
+  p = len(prompt)
+  for i in range(len(tokens)) if idx is None else idx:
+    row = z[p - 1 + i]
+    top2 = np.sort(row)[-2:]
+    assert tokens[i] == int(row.argmax()) or top2[1] - top2[0] < 1e-4, (i, tokens[i])
+
+
+def check_versions(c, prompt, params_by_version, greedy: bool):
+  """Every token's stored log-prob is the one its labelled version gives it (given the
+  tokens before it), and a greedy token is that version's argmax."""
+  assert c.token_ids and set(c.versions) <= set(params_by_version)
+  for v in set(c.versions):
+    lp_all = learner_logp(params_by_version[v], CFG, prompt, c.token_ids, 1.0)
+    idx = [i for i, x in enumerate(c.versions) if x == v]
+    np.testing.assert_allclose(np.asarray(c.logprobs)[idx], lp_all[idx], atol=1e-3,
+                               err_msg=f"version {v}")
+    if greedy:
+      assert_argmax(params_by_version[v], prompt, c.token_ids, idx)
+
+
+@pytest.mark.parametrize("mode", ["keep", "abort"])
+def test_an_update_mid_generation_labels_every_token(server, mode):
+  """A weight update lands while requests are generating: tokens before it carry the old
+  version and are the old weights' samples, tokens after it the new version and the new
+  weights' (keep: the frozen requests' caches are computed again; abort: the requests come
+  back partial and are resumed), and the server says it holds the new version."""
+  e = VLLMEngine(server.url, api_key=KEY, pause_mode=mode)
+  try:
+    e.update_weights(server.dirs[0], 10)
+    reqs = [Request(f"u{mode}{i}", PROMPTS[i], max_new_tokens=400, temperature=1.0, seed=i)
+            for i in range(3)]
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("c", e.generate(reqs)))
+    t.start()
+    time.sleep(0.4)
+    e.update_weights(server.dirs[1], 11)
+    t.join(120)
+    assert e.served_version() == 11
+    for r, c in zip(reqs, out["c"]):
+      assert len(c.token_ids) == 400 and c.finish_reason == "length"
+      k = c.versions.index(11)
+      assert 0 < k and c.versions == [10] * k + [11] * (400 - k)  # one switch, in order
+      check_versions(c, r.prompt_ids, {10: params_of(0), 11: params_of(1)}, greedy=False)
+  finally:
+    e.close()
+
+
+def test_the_relay_delivers_versions_and_the_server_serves_exactly_them(server, tmp_path):
+  """Learner -> relay -> vLLM: each published version is fetched, written and loaded, the
+  server reports it (/weight_info), and its greedy completions are that version's, token by
+  token (the learner's scoring on those weights). A bad path is refused before the server
+  is asked (vLLM 0.32 stops when a reload fails)."""
+  service = PublishedWeights()
+  service.publish(1, params_of(1))
+  grpc_server, port = srv.serve(service)
+  client = WeightsClient(f"127.0.0.1:{port}", worker_id="relay-vllm")
+  e = VLLMEngine(server.url, api_key=KEY, retries=0)
+  cfg, tok = relay.model_spec(NAME)
+  r = relay.Relay(client, e.update_weights, tmp_path, cfg, tok, backoff_min=0.05,
+                  load_errors=(VLLMError,), poll_s=0.1, say=lambda line: None,
+                  unreachable=VLLMEngine.rides_out, served=e.served_version,
+                  prepare=VLLMEngine.prepare_weights)
+  stop = threading.Event()
+  t = threading.Thread(target=r.run, args=(stop,))
+  try:
+    t.start()
+    for v, seed in ((1, 1), (2, 2)):
+      if v == 2:
+        service.publish(2, params_of(2))
+      wait_for(lambda v=v: r.delivered == v, 60, f"v{v} delivered")
+      assert e.served_version() == v
+      comps = e.generate([Request(f"r{v}{i}", p, max_new_tokens=16, temperature=0.0)
+                          for i, p in enumerate(PROMPTS)])
+      for p, c in zip(PROMPTS, comps):
+        assert c.versions == [v] * 16
+        check_versions(c, p, {v: params_of(seed)}, greedy=True)
+    with pytest.raises(VLLMError) as err:
+      e.update_weights(tmp_path / "missing", 3)
+    assert err.value.reason is Reason.REFUSED and e.health()
+  finally:
+    stop.set()
+    t.join(30)
+    client.close()
+    e.close()
+    srv.stop(grpc_server)
+
+
+def test_the_gateway_records_vllms_tokens_exactly(engine):
+  """The OpenAI-compatible gateway over the vLLM engine (rollout.engine=vllm): an agent's
+  two calls and its reward become one record whose sampled tokens carry vLLM's log-probs,
+  which are the learner's log-probs of those tokens (T = 1), and version 0."""
+  import openai
+
+  from fr_jax.rollout.gateway import Gateway, GatewayConfig
+  from fr_jax.rollout.openai_http import GatewayServer
+
+  class Recorder:
+    def __init__(self):
+      self.got = []
+
+    def push(self, t, stop=None):
+      self.got.append(t)
+      return True, "admitted"
+
+    def heartbeat(self, stats):
+      return None
+
+    def get_weights(self, v):
+      return None
+
+  tok, rec = registry.load("tiny-chat").tokenizer, Recorder()
+  gw = Gateway(engine, tok, rec, GatewayConfig(max_new_tokens=12, weights=engine.weight_format),
+               engine_errors=engine.errors, serial_engine=False, follow_weights=False)
+  server = GatewayServer(("127.0.0.1", 0), gw, "gw-key")
+  server.serve_in_thread()
+  client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="gw-key",
+                         max_retries=0)
+  try:
+    msgs = [{"role": "user", "content": "add 2 and 3"}]
+    head = {"X-Episode-Id": "ep-1"}
+    r1 = client.chat.completions.create(model="m", messages=msgs, seed=1, temperature=1.0,
+                                        extra_headers=head)
+    msgs += [r1.choices[0].message.model_dump(exclude_none=True),
+             {"role": "user", "content": "and 4?"}]
+    client.chat.completions.create(model="m", messages=msgs, seed=2, temperature=1.0,
+                                   extra_headers=head)
+    gw.reward("ep-1", {"reward": 1.0})
+    wait_for(lambda: rec.got, 30, "the record")
+  finally:
+    server.shutdown()
+    gw.close()
+  (t,) = rec.got
+  seq = np.concatenate([t.prompt_tokens, t.completion_tokens]).tolist()
+  p = len(t.prompt_tokens)
+  lp = learner_logp(params_of(0), CFG, seq[:p], seq[p:], 1.0)
+  m = t.action_mask
+  assert m.sum() >= 2 and (~m).sum() > 0  # sampled tokens and the template's between them
+  np.testing.assert_allclose(t.behavior_logp[m], lp[m], atol=1e-3)
+  assert (t.behavior_logp[~m] == 0).all() and set(t.policy_version[m].tolist()) == {0}
+
+
+def test_a_server_that_reports_raw_logprobs_is_refused(server, tmp_path):
+  """A vLLM server started without --logprobs-mode processed_logprobs reports log-probs
+  before temperature: the engine measures that (the top-2 gap does not double at T = 0.5)
+  and refuses it, naming the flag, before any episode is sampled."""
+  port = free_port()
+  log = tmp_path / "raw.log"
+  proc = vllm_server.start(server.dirs[0], port=port, api_key=KEY, log=log, max_model_len=512,
+                           extra=("--logprobs-mode", "raw_logprobs"))
+  try:
+    vllm_server.wait_ready(proc, vllm_server.url_of("127.0.0.1", port), log=log)
+    e = VLLMEngine(vllm_server.url_of("127.0.0.1", port), api_key=KEY)
+    with pytest.raises(VLLMError) as err:
+      e.generate([Request("r", PROMPTS[0], max_new_tokens=4)])
+    assert err.value.reason is Reason.MISCONFIGURED
+    assert "--logprobs-mode processed_logprobs" in str(err.value)
+    e.close()
+  finally:
+    vllm_server.stop(proc)
+
+
+def test_untie_head_copies_the_embeddings_bytes_for_bytes(tmp_path):
+  """`hf_io.untie_head`: the head becomes a tensor of its own with the embeddings' dtype and
+  bytes (bf16 too), config.json says untied, a sharded index names the new file (and
+  transformers then reads the same model); an untied directory is left alone. The vLLM
+  engine refuses a tied directory before it asks the server (its in-place reload keeps a tied
+  head's old weights)."""
+  import torch
+  import transformers
+  from safetensors.torch import load_file
+  tok = registry.load("tiny-chat").tokenizer
+  params = params_of(3)
+  for dtype, shard in (("float32", 5 * 2**30), ("bfloat16", 60_000)):
+    d = tmp_path / f"{dtype}-{shard}"
+    cfg = CFG.replace(param_dtype=dtype)
+    hf_io.save_hf(d, jax.tree.map(lambda a, dt=dtype: np.asarray(a).astype(
+        jnp.bfloat16 if dt == "bfloat16" else np.float32), params), cfg,
+        tokenizer_files=tok.files(), max_shard_bytes=shard)
+    tied = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    with pytest.raises(VLLMError) as err:
+      VLLMEngine("http://127.0.0.1:9", retries=0).update_weights(d, 1)
+    assert err.value.reason is Reason.REFUSED and "ties the LM head" in str(err.value)
+    assert hf_io.untie_head(d) and not hf_io.untie_head(d)
+    head = load_file(d / hf_io.UNTIED_HEAD_FILE)["lm_head.weight"]
+    index = d / "model.safetensors.index.json"
+    embed_file = (json.loads(index.read_text())["weight_map"][hf_io.EMBED] if index.exists()
+                  else "model.safetensors")
+    embed = load_file(d / embed_file)[hf_io.EMBED]
+    assert head.dtype == embed.dtype == getattr(torch, dtype) and torch.equal(head, embed)
+    assert not json.loads((d / "config.json").read_text())["tie_word_embeddings"]
+    if index.exists():
+      assert json.loads(index.read_text())["weight_map"]["lm_head.weight"] == "lm_head.safetensors"
+    every = {}  # what vLLM reads without an index: every *.safetensors
+    for f in d.glob("*.safetensors"):
+      every |= load_file(f)
+    assert set(every) == {n for n, _ in hf_io.iter_hf_tensors(params, cfg)} | {"lm_head.weight"}
+    if index.exists():  # transformers reads the index's files
+      untied = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+      x = torch.tensor([PROMPTS[2]])
+      with torch.no_grad():
+        assert torch.equal(tied(x).logits, untied(x).logits)
+
+
+def test_a_worker_completes_episodes_and_rides_out_a_server_kill(server, tiny_model):
+  """A worker built from a config (rollout.engine=vllm, the key from $VLLM_API_KEY) pushes
+  episodes; the server is SIGKILLed mid-run and started again on its port: the worker backs
+  off, heartbeats, and goes on producing, every record with behaviour log-probs."""
+  from fr_jax import system
+  from tests import helpers
+  os.environ[VLLMEngine.api_key_env] = KEY
+  c = helpers.cfg(**{"rollout.engine": "vllm", "rollout.server_url": server.url,
+                     "rollout.server_timeout_s": 10.0, "rollout.inflight": 2,
+                     "model.name": NAME})
+  model = registry.load(NAME)
+
+  class Collect:
+    def __init__(self):
+      self.got, self.heartbeats = [], 0
+
+    def heartbeat(self, stats):
+      self.heartbeats += 1
+      return {"version": 0, "hf_dir": "", "shutdown": False}
+
+    def push(self, traj, stop):
+      self.got.append(traj)
+
+  client, stop, errors = Collect(), threading.Event(), []
+  w = system.build_worker(c, client, model, index=0, num_shards=1)
+  w.backoff_min_s, w.backoff_max_s = 0.2, 2.0
+
+  def run():
+    try:
+      w.run(stop)
+    except Exception as e:  # noqa: BLE001 -- the failure this test is about
+      errors.append(e)
+
+  t = threading.Thread(target=run)
+  t.start()
+  try:
+    wait_for(lambda: len(client.got) >= 2 or errors, 120, "trajectories before the kill")
+    vllm_server.kill(server.proc)
+    wait_for(lambda: w.engine_failures or errors, 60, "the worker to notice")
+    beats = client.heartbeats
+    server.start()
+    n = len(client.got)
+    wait_for(lambda: len(client.got) >= n + 2 or errors or not t.is_alive(), 180,
+             "trajectories after the restart")
+  finally:
+    stop.set()
+    t.join(60)
+    w.engine.close()
+    os.environ.pop(VLLMEngine.api_key_env, None)
+  assert not errors, errors
+  assert set(w.engine_failures) <= {"UNREACHABLE", "TIMEOUT", "HTTP_STATUS"}
+  assert client.heartbeats > beats
+  for traj in client.got:
+    assert traj.behavior_logp is not None and len(traj.completion_tokens) > 0

@@ -10,14 +10,19 @@ name (smollm2-135m-instruct, tiny-chat-hd64, ...), written as an HF directory un
 --export_dir first (`hf_io.save_hf`; weights as the registry loads them). A model whose LM
 head is tied to its embeddings (SmolLM2) is served from an untied copy under --export_dir
 (the head a tensor of its own; safetensors linked, not copied): vLLM 0.32 on CPU keeps a
-tied head's old weights through an in-place weight update (fr_jax/rollout/vllm.py). The server runs
-`vllm.entrypoints.openai.api_server` with `--logprobs-mode processed_logprobs` (each token's
-log-prob from the distribution that sampled it), `--enable-scale-out` (token ids in and
-out), `VLLM_SERVER_DEV_MODE=1` (pause, reload, version routes) and the key from
-$VLLM_API_KEY (never on a command line: `ps` shows those to every user). On CPU it sets the
-KV cache to --kv_cache_gib (vLLM's default takes most of the machine's memory) and lets
-OpenMP threads float (`VLLM_CPU_OMP_THREADS_BIND=nobind`: vLLM's default pins one core and
-keeps the other for itself, which on 2 cores leaves nothing for the learner).
+tied head's old weights through an in-place weight update (fr_jax/rollout/vllm.py).
+
+The server is `vllm.entrypoints.openai.api_server` with:
+* `--logprobs-mode processed_logprobs`: each token's log-prob from the distribution that
+  sampled it;
+* `--enable-scale-out`: token ids in and out (`/inference/v1/generate`);
+* `--no-enable-chunked-prefill`: vLLM 0.32 on CPU crashes when it chunks the prefill of a
+  seeded request, so each prompt is prefilled whole instead;
+* `VLLM_SERVER_DEV_MODE=1`: the pause, reload and version routes;
+* the key from $VLLM_API_KEY, never on a command line (`ps` shows those to every user);
+* on CPU, a KV cache of --kv_cache_gib (vLLM's default takes most of the machine's memory),
+  and OpenMP threads left to float (`VLLM_CPU_OMP_THREADS_BIND=nobind`: vLLM's default pins
+  one core and keeps the other for itself, which on 2 cores leaves nothing for the learner).
 
 It prints `vllm: serving <model> at http://host:port (ready in N s)` once /health answers,
 then stays in the foreground with the server; SIGTERM or Ctrl-C stops both. The server's own
@@ -54,6 +59,8 @@ def server_command(model_dir, *, host: str = "127.0.0.1", port: int = 30000,
   return [str(python or DEFAULT_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
           "--model", str(model_dir), "--host", host, "--port", str(port), "--dtype", dtype,
           "--max-model-len", str(max_model_len), "--enforce-eager",
+          # every prompt prefilled whole in one step (chunked prefill is off: SERVER_FLAGS)
+          "--max-num-batched-tokens", str(max(max_model_len, 2048)),
           "--served-model-name", served_name or Path(model_dir).name, *SERVER_FLAGS, *extra]
 
 

@@ -195,6 +195,23 @@ def assert_argmax(params, prompt, tokens, idx=None):
     assert tokens[i] == int(row.argmax()) or top2[1] - top2[0] < 1e-4, (i, tokens[i])
 
 
+def test_seeded_requests_beyond_one_steps_token_budget(engine):
+  """Seeded requests whose prompts together exceed one scheduler step's token budget: vLLM
+  0.32 on CPU chunks such prefills and then crashes its engine on a seeded request
+  ("CPU Generator does not use offset": it rewinds the request's generator, which a CPU
+  generator cannot do). launch.vllm_server turns chunked prefill off (each prompt is
+  prefilled whole, the budget at least the longest sequence), and the answers are the same
+  as one request at a time."""
+  reqs = [Request(f"b{i}", [(7 * i + k) % 300 for k in range(450)], max_new_tokens=8,
+                  temperature=1.0, seed=i) for i in range(12)]  # 5,400 prompt tokens
+  together = engine.generate(reqs)
+  alone = [engine.generate([r])[0] for r in reqs[:3]]
+  assert all(c.finish_reason == "length" and len(c.token_ids) == 8 for c in together)
+  for a, b in zip(together, alone):
+    assert a.token_ids == b.token_ids
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+
+
 def check_versions(c, prompt, params_by_version, greedy: bool):
   """Every token's stored log-prob is the one its labelled version gives it (given the
   tokens before it), and a greedy token is that version's argmax."""

@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +42,8 @@ flags.DEFINE_integer("max_new_tokens", 64, "tokens per completion")
 flags.DEFINE_float("temperature", 1.0, "sampling temperature (the demo's)")
 flags.DEFINE_float("delta", objective.DELTA, "the trust bound on D_i (the demo's)")
 flags.DEFINE_integer("port", 31800, "the server's port")
+flags.DEFINE_string("work_dir", "runs/vllm_mismatch", "the model's HF export and the servers' "
+                    "logs")
 FLAGS = flags.FLAGS
 
 
@@ -113,34 +114,35 @@ def run(argv):
   prompts = _prompts(model.tokenizer, FLAGS.n)
   stop = tuple(model.tokenizer.stop_ids())
   lines = []
-  with tempfile.TemporaryDirectory() as tmp:
-    model_dir = vllm_server.export_model(FLAGS.model, tmp)
-    for dtype in FLAGS.dtypes:
-      log = os.path.join(tmp, f"server-{dtype}.log")
-      proc = vllm_server.start(model_dir, port=FLAGS.port, api_key="mismatch", dtype=dtype,
-                               log=log)
-      url = vllm_server.url_of("127.0.0.1", FLAGS.port)
-      try:
-        ready_s = vllm_server.wait_ready(proc, url, log=log)
-        engine = VLLMEngine(url, api_key="mismatch")
-        reqs = [Request(f"m{i}", p, max_new_tokens=FLAGS.max_new_tokens,
-                        temperature=FLAGS.temperature, seed=i, stop_token_ids=stop)
-                for i, p in enumerate(prompts)]
-        comps = engine.generate(reqs)
-        engine.close()
-      finally:
-        vllm_server.stop(proc)
-      by_id = {r.request_id: r for r in reqs}
-      stats = mismatch(
-          comps, lambda c: c.logprobs,
-          lambda c, by_id=by_id: learner_logp(model.params, model.config,
-                                              by_id[c.request_id].prompt_ids,
-                                              c.token_ids, FLAGS.temperature), FLAGS.delta)
-      line = {"bench": "vllm_mismatch", "machine": machine(), "model": FLAGS.model,
-              "server_dtype": dtype, "learner_dtype": model.config.param_dtype,
-              "temperature": FLAGS.temperature, "server_ready_s": round(ready_s, 1), **stats}
-      print(json.dumps(line), flush=True)
-      lines.append(line)
+  tmp = FLAGS.work_dir
+  os.makedirs(tmp, exist_ok=True)
+  model_dir = vllm_server.export_model(FLAGS.model, tmp)
+  for dtype in FLAGS.dtypes:
+    log = os.path.join(tmp, f"server-{dtype}.log")
+    proc = vllm_server.start(model_dir, port=FLAGS.port, api_key="mismatch", dtype=dtype,
+                             log=log)
+    url = vllm_server.url_of("127.0.0.1", FLAGS.port)
+    try:
+      ready_s = vllm_server.wait_ready(proc, url, log=log)
+      engine = VLLMEngine(url, api_key="mismatch")
+      reqs = [Request(f"m{i}", p, max_new_tokens=FLAGS.max_new_tokens,
+                      temperature=FLAGS.temperature, seed=i, stop_token_ids=stop)
+              for i, p in enumerate(prompts)]
+      comps = engine.generate(reqs)
+      engine.close()
+    finally:
+      vllm_server.stop(proc)
+    by_id = {r.request_id: r for r in reqs}
+    stats = mismatch(
+        comps, lambda c: c.logprobs,
+        lambda c, by_id=by_id: learner_logp(model.params, model.config,
+                                            by_id[c.request_id].prompt_ids,
+                                            c.token_ids, FLAGS.temperature), FLAGS.delta)
+    line = {"bench": "vllm_mismatch", "machine": machine(), "model": FLAGS.model,
+            "server_dtype": dtype, "learner_dtype": model.config.param_dtype,
+            "temperature": FLAGS.temperature, "server_ready_s": round(ready_s, 1), **stats}
+    print(json.dumps(line), flush=True)
+    lines.append(line)
   print("\n| server dtype | tokens | abs dlogp median | p99 | max | D_i median | D_i max | "
         "rejected at delta |\n|---|---|---|---|---|---|---|---|")
   for x in lines:

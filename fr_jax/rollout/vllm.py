@@ -68,8 +68,12 @@ from fr_jax.rollout.http_engine import EngineError, HTTPClient, Reason, rides_ou
 
 __all__ = ["VLLMEngine", "VLLMError", "Reason", "SERVER_FLAGS", "SERVER_ENV"]
 
-# What the fleet needs of a vLLM server (launch/vllm_server.py passes all of them).
-SERVER_FLAGS = ("--logprobs-mode", "processed_logprobs", "--enable-scale-out")
+# What the fleet needs of a vLLM server (launch/vllm_server.py passes all of them, and a
+# --max-num-batched-tokens of at least --max-model-len). Chunked prefill off: vLLM 0.32 on CPU
+# crashes its engine when it chunks the prefill of a seeded request ("CPU Generator does not
+# use offset", measured), and every request here is seeded.
+SERVER_FLAGS = ("--logprobs-mode", "processed_logprobs", "--enable-scale-out",
+                "--no-enable-chunked-prefill")
 SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}  # the pause / reload / version routes
 GENERATE = "/inference/v1/generate"
 # vLLM 0.32 names a /inference/v1/generate request "generate-tokens-<request_id>" inside the

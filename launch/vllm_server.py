@@ -61,6 +61,7 @@ def server_command(model_dir, *, host: str = "127.0.0.1", port: int = 30000,
           "--max-model-len", str(max_model_len), "--enforce-eager",
           # every prompt prefilled whole in one step (chunked prefill is off: SERVER_FLAGS)
           "--max-num-batched-tokens", str(max(max_model_len, 2048)),
+          "--disable-uvicorn-access-log",  # a line per request would swamp the log
           "--served-model-name", served_name or Path(model_dir).name, *SERVER_FLAGS, *extra]
 
 

@@ -2,6 +2,7 @@ r"""Benchmark: the embedded engine's generation and multi-turn KV reuse, against
 
   .venv/bin/python -m experiments.benchmarks.rollout [--cases=generate,multiturn]
       [--batches=1,8,32] [--new_tokens=128] [--llama_cpp]
+  .venv/bin/python -m experiments.benchmarks.rollout --cases=vllm   # needs make vllm-tools
 
 SmolLM2-135M-Instruct (the bundled GGUF) throughout.
 
@@ -21,6 +22,14 @@ followed by a scripted tool response (~40 tokens, rendered by the agent loop's o
 and once without (every turn re-prefilled), same seeds. Reports wall time, prefill tokens
 and the ratio.
 
+`vllm`: a real vLLM 0.32 CPU server (`launch.vllm_server`, enforce-eager, the fleet's flags)
+beside the embedded engine, on the same SmolLM2 weights (the registry's, exported as HF) and
+the same requests (the `generate` prompts, temperature 1, --new_tokens each, EOS ignored), at
+--vllm_batches and in float32 and bfloat16 (--vllm_dtypes; the embedded engine's parameters
+and compute in that dtype). Per dtype: the server starts, is warmed up and timed, and stops;
+then the embedded engine is warmed up and timed, so the two never share the cores. Lines
+`generate` with impl vllm / fr_jax and `dtype`; the summary has vllm/fr_jax throughput ratios.
+
 JSON lines: `machine`, then per case `generate` / `multiturn` lines with medians and a
 `summary` with the ratios.
 """
@@ -35,7 +44,10 @@ from experiments.benchmarks.common import emitter, machine, timed
 
 emit = emitter("rollout")
 
-flags.DEFINE_list("cases", ["generate", "multiturn"], "generate, multiturn")
+flags.DEFINE_list("cases", ["generate", "multiturn"], "generate, multiturn, vllm")
+flags.DEFINE_list("vllm_batches", ["8", "32"], "batch sizes (vllm)")
+flags.DEFINE_list("vllm_dtypes", ["float32", "bfloat16"], "dtypes (vllm)")
+flags.DEFINE_integer("vllm_port", 31850, "the vLLM server's port (vllm)")
 flags.DEFINE_list("batches", ["1", "8", "32"], "batch sizes (generate)")
 flags.DEFINE_integer("new_tokens", 128, "tokens generated per sequence (generate)")
 flags.DEFINE_integer("repeats", 3, "timed runs per point (median reported)")
@@ -141,6 +153,58 @@ def case_generate(m, summary):
       summary[f"batch{B}_vs_transformers"] = round(med_t / med, 2)
     if F.llama_cpp and B == 1:
       summary["batch1_vs_llama_cpp"] = round(llama_cpp_generate(ps[0], N) / med, 2)
+
+
+def case_vllm(summary):
+  """vLLM's CPU server beside the embedded engine (module docstring)."""
+  from fr_jax.models import registry
+  from fr_jax.rollout.embedded import EmbeddedEngine
+  from fr_jax.rollout.engine import Request
+  from fr_jax.rollout.vllm import VLLMEngine
+  from launch import vllm_server
+  N = F.new_tokens
+  batches = [int(b) for b in F.vllm_batches]
+  work = "runs/bench_vllm"
+  model_dir = vllm_server.export_model("smollm2-135m-instruct", work)
+  for dtype in F.vllm_dtypes:
+    m = registry.load("smollm2-135m-instruct", param_dtype=dtype, compute_dtype=dtype)
+    rng = np.random.default_rng(0)
+    reqs = {B: [Request(f"r{B}-{i}", p, N, temperature=1.0, seed=i)
+                for i, p in enumerate(prompts(m.tokenizer, B, rng))] for B in batches}
+    rates = {}
+    log = f"{work}/server-{dtype}.log"
+    proc = vllm_server.start(model_dir, port=F.vllm_port, api_key="bench", dtype=dtype, log=log)
+    url = vllm_server.url_of("127.0.0.1", F.vllm_port)
+    try:
+      ready = vllm_server.wait_ready(proc, url, log=log)
+      eng = VLLMEngine(url, api_key="bench")
+      for B in batches:
+        eng.generate(reqs[B])  # warm-up
+        outs = []
+        med, ts = timed(lambda outs=outs, e=eng, rs=reqs[B]: outs.append(e.generate(rs)),
+                        F.repeats, warmup=0)
+        n_gen = sum(len(c.token_ids) for c in outs[-1])
+        rates[B] = n_gen / med
+        emit("generate", impl="vllm", dtype=dtype, batch=B, new_tokens=N,
+             median_s=round(med, 3), all_s=[round(t, 3) for t in ts],
+             tokens_per_s=round(n_gen / med, 1), server_ready_s=round(ready, 1),
+             ttft_median_s=round(statistics.median(c.ttft_s for c in outs[-1]), 4))
+      eng.close()
+    finally:
+      vllm_server.stop(proc)
+    for B in batches:
+      max_len = max(len(r.prompt_ids) for r in reqs[B]) + N + 1
+      eng = EmbeddedEngine(m.config, m.params, num_slots=B, max_len=max_len,
+                           prefix_reuse=False)
+      eng.generate(reqs[B])  # warm-up: compiles
+      outs = []
+      med, ts = timed(lambda outs=outs, e=eng, rs=reqs[B]: outs.append(e.generate(rs)),
+                      F.repeats, warmup=0)
+      n_gen = sum(len(c.token_ids) for c in outs[-1])
+      emit("generate", impl="fr_jax", dtype=dtype, batch=B, new_tokens=N,
+           median_s=round(med, 3), all_s=[round(t, 3) for t in ts],
+           tokens_per_s=round(n_gen / med, 1))
+      summary[f"vllm_vs_fr_jax_{dtype}_batch{B}"] = round(rates[B] / (n_gen / med), 2)
 
 
 def llama_cpp_generate(prompt, N):
@@ -262,6 +326,8 @@ def main(argv):
     case_generate(m, summary)
   if "multiturn" in F.cases:
     case_multiturn(m, summary)
+  if "vllm" in F.cases:
+    case_vllm(summary)
   summary["targets"] = (">= 3x wall time with reuse (multiturn); batch 1 >= 2x 56.6 tok/s; "
                         ">= 3x transformers at batch 8")
   emit("summary", **summary)

@@ -36,8 +36,9 @@ deltas against the version the relay holds where the learner still has it. The r
 the versions it holds to its peers (`serve`, through `launch.weight_relay --serve_address`).
 A learner without shards (UNIMPLEMENTED) is followed as above.
 
-The HF config comes from the run config's model (`model_spec`: its shapes, GGUF metadata or
-config.json, never its weights) and is checked against every tensor received; a mismatch
+The HF config comes from the run config's model (`weights_spec.model_spec`: its shapes, GGUF
+metadata or config.json, never its weights), and every version received is checked against
+it (`weights_spec`: one check, for whole weights and for a shards manifest); a mismatch
 (`--config` names another model than the learner trains) stops the relay with RelayError.
 The relay imports the model layer (for the HF export) but not rollout: the server is reached
 through the `load` callable.
@@ -57,90 +58,18 @@ from pathlib import Path
 
 import grpc
 import jax
-import numpy as np
 
 from fr_jax import durable
 from fr_jax.models import decoder, hf_shards
 from fr_jax.models.config import ModelConfig, to_hf_config
 from fr_jax.models.hf_io import save_hf
-from fr_jax.transport import codec, shard_fetch
+from fr_jax.transport import codec, shard_fetch, weights_spec
+from fr_jax.transport.weights_spec import RelayError, hf_major, model_spec
+
+__all__ = ["Delivery", "Relay", "RelayError", "hf_major", "model_spec", "write_version",
+           "versions_on_disk", "clean_partial", "peak_rss_mb"]
 
 log = logging.getLogger("fr_jax.relay")
-
-
-class RelayError(RuntimeError):
-  """Something a retry cannot fix: the weights do not fit the configured model."""
-
-
-# --- the model's HF config and tokenizer, without its weights ---
-def model_spec(name: str, *, param_dtype: str = "float32",
-               compute_dtype: str = "float32") -> tuple[ModelConfig, dict | None]:
-  """(ModelConfig, tokenizer files or None) of a registry model name, read from its shapes,
-  GGUF metadata or config.json; no weights are loaded."""
-  from fr_jax.models import registry
-  from fr_jax.models.tokenizer import Tokenizer
-  dt = dict(param_dtype=param_dtype, compute_dtype=compute_dtype)
-  if name in registry.TINY_CONFIGS:
-    tok = Tokenizer.byte_level() if name in registry.TINY_TOKENIZED else None
-    return registry.TINY_CONFIGS[name].replace(**dt), tok.files() if tok else None
-  if name.startswith("random:"):
-    return registry.shape_config(name.removeprefix("random:"), **dt), None
-  if name == registry.DEFAULT_MODEL or name.startswith("gguf:") or name.endswith(".gguf"):
-    import gguf
-
-    from fr_jax.models.gguf_io import config_from_gguf
-    path = (registry.smollm2_gguf_path() if name == registry.DEFAULT_MODEL
-            else Path(name.removeprefix("gguf:")))
-    if not path.is_file():
-      raise registry.ModelNotFound(f"GGUF file {path} not found")
-    reader = gguf.GGUFReader(str(path))  # memory-mapped: only the metadata is read
-    return config_from_gguf(reader, **dt), Tokenizer.from_gguf(reader).files()
-  from fr_jax.models.config import from_hf_config
-  path = Path(name.removeprefix("hf:"))
-  if not (path / "config.json").is_file():
-    raise registry.ModelNotFound(f"unknown model {name!r}: not one of {registry.names()}, "
-                                 "not a directory with config.json and not a .gguf file")
-  cfg = from_hf_config(json.loads((path / "config.json").read_text()), **dt)
-  tok = Tokenizer.from_file(path).files() if (path / "tokenizer.json").is_file() else None
-  return cfg, tok
-
-
-def config_for(cfg: ModelConfig, flat: dict) -> ModelConfig:
-  """`cfg` with the received weights' dtype (and tied embeddings when no lm_head came, as
-  `load_hf` does); RelayError naming the first tensor whose shape disagrees."""
-  if "lm_head" not in flat and not cfg.tie_embeddings:
-    cfg = cfg.replace(tie_embeddings=True)
-  embed = flat.get("embed")
-  if embed is not None:
-    cfg = cfg.replace(param_dtype=codec._dtype_name(embed))
-  want = codec.flatten(decoder.param_shapes(cfg))
-  for name in sorted(set(want) | set(flat)):
-    got = tuple(flat[name].shape) if name in flat else None
-    if got != (tuple(want[name]) if name in want else None):
-      raise RelayError(
-          f"the learner's tensor {name!r} has shape {got}, the configured model "
-          f"({cfg.family}, {cfg.num_layers} layers, hidden {cfg.hidden_size}) expects "
-          f"{want.get(name)}: give --config the learner's run config")
-  return cfg
-
-
-def hf_major(params: dict) -> dict:
-  """The same values, each stacked layer matrix [L, in, out] re-laid in place as a transposed
-  view of [L, out, in] memory, one layer at a time (a temporary of one layer's matrix). HF
-  stores these matrices [out, in], so `save_hf`'s per-layer transposes become contiguous
-  views instead of a second copy of the model: the relay peaks at one model, not two."""
-  layers = params["layers"]
-  for k, a in layers.items():
-    if a.ndim != 3:
-      continue
-    if not (a.flags.writeable and a.flags.c_contiguous):
-      a = np.array(a)
-    n, d_in, d_out = a.shape
-    t = a.reshape(n, d_out, d_in)  # the same memory; layer i keeps its own bytes
-    for i in range(n):
-      t[i] = a[i].T.copy()
-    layers[k] = t.transpose(0, 2, 1)
-  return params
 
 
 # --- versions on local disk (fr_jax.durable) ---
@@ -273,12 +202,13 @@ class Relay:
     v, flat, attempts, fetch_s = got
     del got
     nbytes = sum(a.nbytes for a in flat.values())
-    cfg = config_for(self.cfg, flat)
+    cfg = weights_spec.check_flat(self.cfg, flat)
     t0 = time.perf_counter()
     params = codec.unflatten(flat)
     del flat
     try:
-      path = write_version(self.out_dir, v, hf_major(params), cfg, self.tokenizer_files,
+      path = write_version(self.out_dir, v, weights_spec.hf_major(params), cfg,
+                           self.tokenizer_files,
                            prepare=self.prepare)
     except OSError as e:  # a full disk, say: nothing visible was left; the next poll retries
       self.failures["write_failed"] += 1
@@ -291,21 +221,7 @@ class Relay:
 
   # --- shards ---
   def check_manifest(self, manifest: hf_shards.Manifest) -> ModelConfig:
-    """The configured model with the manifest's dtype (and tied embeddings when it has no
-    lm_head); RelayError naming the first tensor the configured model does not have alike."""
-    cfg = self.cfg
-    if "lm_head.weight" not in manifest.tensors and not cfg.tie_embeddings:
-      cfg = cfg.replace(tie_embeddings=True)
-    cfg = cfg.replace(param_dtype=manifest.dtype)
-    want = hf_shards.hf_tensor_shapes(cfg)
-    for name in sorted(set(want) | set(manifest.tensors)):
-      if want.get(name) != manifest.tensors.get(name):
-        raise RelayError(
-            f"the learner's tensor {name!r} has shape {manifest.tensors.get(name)}, the "
-            f"configured model ({cfg.family}, {cfg.num_layers} layers, hidden "
-            f"{cfg.hidden_size}) expects {want.get(name)}: give --config the learner's run "
-            "config")
-    return cfg
+    return weights_spec.check_manifest(self.cfg, manifest)
 
   def deliver_shards(self, min_version: int, stop: threading.Event) -> Delivery | None:
     """One version through shards (module doc): manifest, pieces into the file, load."""

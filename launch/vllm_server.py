@@ -91,6 +91,11 @@ def start(model_dir, *, port: int, api_key: str | None, host: str = "127.0.0.1",
                       ".venv-vllm from requirements-vllm.txt)")
   if not (Path(model_dir) / "config.json").is_file():
     raise ServerError(f"{model_dir}: not an HF model directory (no config.json)")
+  # vLLM refuses a max_model_len beyond the model's positions: the longest it takes
+  positions = json.loads((Path(model_dir) / "config.json").read_text()).get(
+      "max_position_embeddings")
+  if positions:
+    max_model_len = min(max_model_len, int(positions))
   out = open(log, "ab") if log else None  # noqa: SIM115 (the child keeps it)
   return subprocess.Popen(
       server_command(model_dir, host=host, port=port, dtype=dtype, python=python,

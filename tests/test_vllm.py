@@ -102,15 +102,21 @@ PROMPTS = [[5, 6, 7, 8], [72, 105, 33], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [300, 2
 
 
 def requests_mix() -> list[Request]:
-  """Greedy, seeded T = 1, T = 0.7 with top-p, and a stop id, over four prompts."""
+  """Greedy, seeded T = 1, T = 0.7 with top-p, stop ids and stop strings, over four
+  prompts."""
   out = []
   for i, p in enumerate(PROMPTS):
     out += [Request(f"g{i}", p, max_new_tokens=24, temperature=0.0),
             Request(f"s{i}", p, max_new_tokens=24, temperature=1.0, seed=100 + i),
             Request(f"t{i}", p, max_new_tokens=24, temperature=0.7, top_p=0.9, seed=200 + i),
             Request(f"x{i}", p, max_new_tokens=24, temperature=1.0, seed=300 + i,
-                    stop_token_ids=(40, 41, 42, 43, 44, 45, 46, 47))]
+                    stop_token_ids=(40, 41, 42, 43, 44, 45, 46, 47)),
+            Request(f"y{i}", p, max_new_tokens=24, temperature=1.0, seed=400 + i,
+                    stop_strings=STOPS)]
   return out
+
+
+STOPS = tuple("aeiou0123")  # single characters: some of the samples hit one
 
 
 def test_tokens_and_logprobs_are_vllms_own(engine, server, tmp_path):
@@ -121,7 +127,8 @@ def test_tokens_and_logprobs_are_vllms_own(engine, server, tmp_path):
   got = engine.generate(reqs)
   spec = [{"prompt_ids": r.prompt_ids, "max_new_tokens": r.max_new_tokens,
            "temperature": r.temperature, "top_p": r.top_p, "seed": r.seed,
-           "stop_token_ids": list(r.stop_token_ids)} for r in reqs]
+           "stop_token_ids": list(r.stop_token_ids), "stop": list(r.stop_strings)}
+          for r in reqs]
   (tmp_path / "reqs.json").write_text(json.dumps(spec))
   env = vllm_server.server_env(None)
   out = subprocess.run([str(vllm_server.DEFAULT_PYTHON), str(ROOT / "tests/vllm_offline.py"),
@@ -137,6 +144,13 @@ def test_tokens_and_logprobs_are_vllms_own(engine, server, tmp_path):
     assert c.versions == [0] * len(c.token_ids) and c.prompt_len == len(r.prompt_ids)
   stopped = [c for r, c in zip(reqs, got) if r.stop_token_ids and c.finish_reason == "stop"]
   assert stopped and all(c.token_ids[-1] in range(40, 48) for c in stopped)
+  tok = server.tok  # a stop string ends its request on the token that completes it
+  by_string = [c for r, c in zip(reqs, got) if r.stop_strings and c.finish_reason == "stop"]
+  assert by_string
+  for c in by_string:
+    text = tok.decode(c.token_ids)
+    assert any(x in text for x in STOPS) and not any(x in tok.decode(c.token_ids[:-1])
+                                                     for x in STOPS), text
   assert all(len(c.token_ids) == 24 for c in got if c.finish_reason == "length")
   # the learner's side: greedy reports log_softmax(logits), T = 1 the same, T = 0.7 of
   # logits / 0.7 (top-p renormalises, so those are not compared here)
@@ -364,6 +378,109 @@ def test_a_server_that_reports_raw_logprobs_is_refused(server, tmp_path):
     e.close()
   finally:
     vllm_server.stop(proc)
+
+
+class _CudaVLLMStandIn:
+  """A STAND-IN for the far side of the NCCL path: vLLM's weight-transfer routes on a GPU
+  node (their NCCL backend needs CUDA, which this machine lacks). It records each route in
+  the order it was called, with its body and query, and holds `/update_weights` (and
+  `/init_weight_transfer_engine`) open until the test's sender has run, as the real server
+  does until the broadcast it waits on is complete."""
+
+  def __init__(self):
+    import http.server
+    self.calls, self.sent = [], threading.Event()
+    outer = self
+
+    class H(http.server.BaseHTTPRequestHandler):
+      def log_message(self, *a):
+        pass
+
+      def do_POST(self):
+        n = int(self.headers.get("Content-Length") or 0)
+        body = json.loads(self.rfile.read(n) or b"{}")
+        path, _, query = self.path.partition("?")
+        outer.calls.append((path, query, body))
+        if path in ("/update_weights", "/init_weight_transfer_engine"):
+          assert outer.sent.wait(30), "the sender never ran"
+        out = {"success": True} if path == "/reset_prefix_cache" else {}
+        data = json.dumps(out).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=self.server.serve_forever, daemon=True).start()
+    self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+  def close(self):
+    self.server.shutdown()
+
+
+def test_nccl_weight_transfer_requests_parse_as_vllms_own_types(tmp_path):
+  """The GPU-node path (vLLM's NCCL weight-transfer backend, a JAX sender at rank 0): the
+  init and update payloads the engine builds are accepted by vLLM 0.32's own types
+  (`NCCLWeightTransferInitInfo`, `NCCLWeightTransferUpdateInfo`, run in .venv-vllm), and the
+  routes come in vLLM's order, each collective's route open while the sender runs (against a
+  stand-in for a CUDA server). The NCCL communicator itself needs a GPU: not run here."""
+  uid = bytes(range(128))
+  tensors = [("model.embed_tokens.weight", "bf16", (320, 128)),
+             ("model.layers.0.self_attn.q_proj.weight", "bfloat16", [128, 128]),
+             ("lm_head.weight", "f32", (320, 128))]
+  init = VLLMEngine.nccl_init_info(uid, world_size=3)
+  update = VLLMEngine.nccl_update_info(tensors)
+  check = (
+      "import base64, json, sys\n"
+      "from vllm.distributed.weight_transfer.nccl_engine import (\n"
+      "    NCCLWeightTransferInitInfo, NCCLWeightTransferUpdateInfo)\n"
+      "init, update = json.loads(sys.argv[1]), json.loads(sys.argv[2])\n"
+      "i = NCCLWeightTransferInitInfo(**init)\n"
+      "u = NCCLWeightTransferUpdateInfo(**update)\n"
+      "import torch\n"
+      "print(json.dumps({'uid': list(i.nccl_unique_id_bytes), 'rank_offset': i.rank_offset,\n"
+      "  'world_size': i.world_size, 'packed': i.packed, 'names': u.names,\n"
+      "  'dtypes': [str(getattr(torch, d)) for d in u.dtype_names], 'shapes': u.shapes}))\n")
+  out = subprocess.run([str(vllm_server.DEFAULT_PYTHON), "-c", check, json.dumps(init),
+                        json.dumps(update)], capture_output=True, text=True, timeout=300,
+                       env=vllm_server.server_env(None))
+  assert out.returncode == 0, out.stderr[-2000:]
+  got = json.loads(out.stdout.strip().splitlines()[-1])
+  assert got["uid"] == list(uid) and (got["rank_offset"], got["world_size"]) == (1, 3)
+  assert got["packed"] is False and got["names"] == [t[0] for t in tensors]
+  assert got["dtypes"] == ["torch.bfloat16", "torch.bfloat16", "torch.float32"]
+  assert got["shapes"] == [[320, 128], [128, 128], [320, 128]]
+  with pytest.raises(ValueError, match="128 bytes"):
+    VLLMEngine.nccl_init_info(uid[:16], 3)
+
+  far = _CudaVLLMStandIn()
+  e = VLLMEngine(far.url, api_key=KEY, retries=0)
+  order = []
+
+  def sender():  # this side of the collective: it blocks until the server side joins
+    wait_for(lambda: far.calls and far.calls[-1][0] in ("/init_weight_transfer_engine",
+                                                        "/update_weights"),
+             30, "the collective's route")
+    order.append(("send", [c[0] for c in far.calls]))
+    far.sent.set()
+
+  try:
+    e.init_nccl(uid, 3, sender)
+    far.sent.clear()
+    e.update_weights_nccl(tensors, sender, version=7)
+  finally:
+    far.close()
+    e.close()
+  assert [c[0] for c in far.calls] == [
+      "/init_weight_transfer_engine", "/pause", "/start_weight_update", "/update_weights",
+      "/finish_weight_update", "/reset_prefix_cache", "/resume"]
+  by_path = {c[0]: c for c in far.calls}
+  assert by_path["/init_weight_transfer_engine"][2] == {"init_info": init}
+  assert by_path["/update_weights"][2] == {"update_info": update}
+  assert by_path["/finish_weight_update"][2] == {"weight_version": "7"}
+  assert by_path["/pause"][1] == "mode=keep" and e.version == 7
+  # each broadcast ran while its route was open (the route had arrived, not yet answered)
+  assert [o[1][-1] for o in order] == ["/init_weight_transfer_engine", "/update_weights"]
 
 
 def test_untie_head_copies_the_embeddings_bytes_for_bytes(tmp_path):

@@ -4,9 +4,9 @@ are checked against (tests/test_vllm.py). Runs with .venv-vllm's python, not .ve
   .venv-vllm/bin/python tests/vllm_offline.py MODEL_DIR DTYPE REQUESTS.json OUT.json
 
 Each request is {"prompt_ids", "max_new_tokens", "temperature", "top_p", "seed",
-"stop_token_ids"}; each answer {"token_ids", "logprobs", "finish_reason"}, in order, with the
-same sampling settings the server is given (fr_jax/rollout/vllm.py: processed log-probs, EOS
-ignored unless listed).
+"stop_token_ids", "stop"}; each answer {"token_ids", "logprobs", "finish_reason"}, in order,
+with the same sampling settings the server is given (fr_jax/rollout/vllm.py: processed
+log-probs, EOS ignored unless listed, a stop string kept in the output).
 """
 
 import json
@@ -23,6 +23,7 @@ def main(model_dir, dtype, requests_path, out_path):
   params = [SamplingParams(max_tokens=r["max_new_tokens"], temperature=r["temperature"],
                            top_p=r["top_p"], seed=r["seed"], logprobs=0, ignore_eos=True,
                            stop_token_ids=r["stop_token_ids"] or None,
+                           stop=r.get("stop") or None, include_stop_str_in_output=True,
                            skip_special_tokens=False) for r in reqs]
   outs = llm.generate(prompts, params, use_tqdm=False)
   answers = []

@@ -28,7 +28,8 @@ the same requests (the `generate` prompts, temperature 1, --new_tokens each, EOS
 --vllm_batches and in float32 and bfloat16 (--vllm_dtypes; the embedded engine's parameters
 and compute in that dtype). Per dtype: the server starts, is warmed up and timed, and stops;
 then the embedded engine is warmed up and timed, so the two never share the cores. Lines
-`generate` with impl vllm / fr_jax and `dtype`; the summary has vllm/fr_jax throughput ratios.
+`generate` with impl vllm / fr_jax and `dtype`, and `update_weights` (the relay's in-place
+load of the same weights, idle server); the summary has vllm/fr_jax throughput ratios.
 
 JSON lines: `machine`, then per case `generate` / `multiturn` lines with medians and a
 `summary` with the ratios.
@@ -189,6 +190,10 @@ def case_vllm(summary):
              median_s=round(med, 3), all_s=[round(t, 3) for t in ts],
              tokens_per_s=round(n_gen / med, 1), server_ready_s=round(ready, 1),
              ttft_median_s=round(statistics.median(c.ttft_s for c in outs[-1]), 4))
+      # a weight update as the relay makes it: pause, in-place reload, cache reset, resume
+      med_u, ts_u = timed(lambda e=eng: e.update_weights(model_dir, 1), F.repeats, warmup=1)
+      emit("update_weights", impl="vllm", dtype=dtype, median_s=round(med_u, 3),
+           all_s=[round(t, 3) for t in ts_u], route="collective_rpc reload_weights")
       eng.close()
     finally:
       vllm_server.stop(proc)

@@ -53,6 +53,7 @@ HTTP and its failures: `fr_jax.rollout.http_engine` (shared with SGLang), raised
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures as cf
 import contextlib
 import json
@@ -275,6 +276,70 @@ class VLLMEngine:
         self.version = int(version)
       finally:
         self.http.call("/resume")
+
+  # --- weights over NCCL (GPU nodes; docs/rollout.md "vLLM on GPU nodes") ---
+  @staticmethod
+  def nccl_init_info(unique_id: bytes, world_size: int) -> dict:
+    """`/init_weight_transfer_engine`'s init_info for a torch-free sender (this relay, on
+    JAX): the 128-byte ncclUniqueId the sender minted, standard base64 (not URL-safe), the
+    sender at rank 0 and the server's workers after it."""
+    if len(unique_id) != 128:
+      raise ValueError(f"an ncclUniqueId is 128 bytes, got {len(unique_id)}")
+    if world_size < 2:
+      raise ValueError(f"world_size={world_size}: the sender and at least one worker")
+    return {"nccl_unique_id_b64": base64.b64encode(unique_id).decode(), "rank_offset": 1,
+            "world_size": world_size, "packed": False}
+
+  @staticmethod
+  def nccl_update_info(tensors) -> dict:
+    """`/update_weights`'s update_info: HF names, torch dtype names and shapes, in the order
+    the sender broadcasts them (`tensors`: (name, dtype name, shape) each)."""
+    names, dtypes, shapes = [], [], []
+    for name, dtype, shape in tensors:
+      names.append(str(name))
+      dtypes.append({"bf16": "bfloat16", "f32": "float32", "f16": "float16"}.get(dtype, dtype))
+      shapes.append([int(d) for d in shape])
+    return {"names": names, "dtype_names": dtypes, "shapes": shapes}
+
+  def init_nccl(self, unique_id: bytes, world_size: int, join: Callable[[], None]) -> None:
+    """Opens the NCCL group with the server's workers: `/init_weight_transfer_engine` and the
+    sender's `join` (ncclCommInitRank at rank 0, then the one-element all_reduce vLLM's
+    workers issue right after theirs) run at the same time; neither returns alone."""
+    self._concurrently(lambda: self.http.call(
+        "/init_weight_transfer_engine",
+        {"init_info": self.nccl_init_info(unique_id, world_size)}), join)
+
+  def update_weights_nccl(self, tensors, send: Callable[[], None], version: int) -> None:
+    """One version over NCCL: pause (keep), `/start_weight_update`, `/update_weights` with
+    the tensors' names, dtypes and shapes while `send` broadcasts them from rank 0 in that
+    order, `/finish_weight_update` with the version, the caches reset as for a reload,
+    resume. The server's workers load each tensor as it arrives (`load_weights`)."""
+    info = self.nccl_update_info(tensors)
+    with self._lock:
+      self.http.call("/pause", params={"mode": self.pause_mode})
+      try:
+        self.http.call("/start_weight_update")
+        self._concurrently(
+            lambda: self.http.call("/update_weights", {"update_info": info}), send)
+        self.http.call("/finish_weight_update", {"weight_version": str(int(version))})
+        res = self.http.call("/reset_prefix_cache", params={"reset_running_requests": "true"})
+        if not res.get("success", False):
+          raise VLLMError(f"/reset_prefix_cache refused after version {version}: {res}",
+                          Reason.REFUSED)
+        self.version = int(version)
+      finally:
+        self.http.call("/resume")
+
+  @staticmethod
+  def _concurrently(call: Callable[[], object], peer: Callable[[], None]) -> None:
+    """`call` (an HTTP request that returns only when the collective is done) and `peer`
+    (this side of the collective) at once; the first failure is raised."""
+    with cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-nccl") as pool:
+      f = pool.submit(call)
+      try:
+        peer()
+      finally:
+        f.result()
 
   def served_version(self) -> int | None:
     """The weight version the server says it holds (`/weight_info`); None for "default" (no

@@ -60,7 +60,8 @@ def smol_tokenizer():
 # The longest files first (totals measured on a clean clone, longest first): `make test` runs
 # files whole on its xdist workers, handed out in collection order, so a long file collected
 # last would run alone at the end. Every worker sorts the same way, as xdist requires.
-LONGEST_FIRST = ("test_chaos_fleet.py", "test_system.py", "test_learner.py", "test_chaos.py",
+LONGEST_FIRST = ("test_chaos_fleet.py", "test_system.py", "test_learner.py", "test_vllm.py",
+                 "test_chaos.py",
                  "test_gguf_smollm2.py", "test_multihost.py", "test_attention.py",
                  "test_learning.py", "test_gateway.py", "test_notebook.py",
                  "test_model_internal.py", "test_moe_learner.py", "test_engine.py",

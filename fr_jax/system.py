@@ -93,6 +93,12 @@ def server_engine(name: str):
 
 def _server(c, model, params, version):
   engine = server_engine(c.rollout.engine)
+  if agent_config(c, model.config).record_routing and not engine.reports_routing:
+    raise rcfg.ConfigError(
+        f"rollout.engine={c.rollout.engine} cannot report the experts it routed to, and "
+        f"routing_replay is on for the mixture-of-experts model {c.model.name!r}: set "
+        "routing_replay=False (the learner then routes for itself), or use the sglang or "
+        "embedded engine")
   extra = {"pause_mode": c.rollout.vllm_pause_mode} if c.rollout.engine == "vllm" else {}
   # The model's config tells the SGLang client which of its per-layer routing rows are the
   # sparse layers' (routing replay). The API key comes from the environment.

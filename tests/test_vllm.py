@@ -483,6 +483,24 @@ def test_nccl_weight_transfer_requests_parse_as_vllms_own_types(tmp_path):
   assert [o[1][-1] for o in order] == ["/init_weight_transfer_engine", "/update_weights"]
 
 
+def test_routing_replay_through_vllm_is_refused_at_start():
+  """A mixture-of-experts run with routing replay on cannot use vLLM (it cannot report its
+  routing here): the worker is refused when it is built, naming the way out, not by every
+  request failing later. With routing replay off it builds."""
+  from fr_jax import config as rcfg
+  from fr_jax import system
+  from tests import helpers
+  c = helpers.cfg(**{"rollout.engine": "vllm", "rollout.server_url": "http://127.0.0.1:9",
+                     "model.name": "tiny-chat-moe"})
+  model = registry.load("tiny-chat-moe")
+  with pytest.raises(rcfg.ConfigError, match="routing_replay=False"):
+    system.build_worker(c, None, model, index=0, num_shards=1)
+  c.routing_replay = False
+  w = system.build_worker(c, None, model, index=0, num_shards=1)
+  assert isinstance(w.engine, VLLMEngine)
+  w.engine.close()
+
+
 def test_untie_head_copies_the_embeddings_bytes_for_bytes(tmp_path):
   """`hf_io.untie_head`: the head becomes a tensor of its own with the embeddings' dtype and
   bytes (bf16 too), config.json says untied, a sharded index names the new file (and

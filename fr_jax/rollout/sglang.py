@@ -80,6 +80,7 @@ class SGLangEngine:
   api_key_env = "SGLANG_API_KEY"
   rides_out = staticmethod(rides_out)  # a load that failed without an answer: try again
   prepare_weights = None  # SGLang loads a relay's version directory as it is written
+  reports_routing = True  # routing replay (R3), with the server's flag on
 
   def __init__(self, base_url: str, *, timeout: float = 600.0, connect_timeout: float = 10.0,
                max_concurrency: int = 64, api_key: str | None = None,

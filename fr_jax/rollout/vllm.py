@@ -95,6 +95,7 @@ class VLLMEngine:
   # What a weight relay does to each version directory before this engine loads it: the LM
   # head untied (module docstring).
   prepare_weights = staticmethod(untie_head)
+  reports_routing = False  # no routing replay (module docstring)
 
   def __init__(self, base_url: str, *, timeout: float = 600.0, connect_timeout: float = 10.0,
                max_concurrency: int = 64, api_key: str | None = None,

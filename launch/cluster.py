@@ -10,12 +10,15 @@ launch/cluster/ (`<file>.j2`) and prints one line per file. Before writing anyth
 the cluster config (an impossible value: one line, exit status 2) and runs the run config
 through its own validation with the overrides the files pass (`--config.model.name`,
 `--config.mesh.*`, `--config.rollout.*`), so a recipe that cannot run on this layout fails
-here rather than after the nodes start. No secret is ever written into a file or onto a
-command line: the gRPC token comes from the environment variable `token_env` (Slurm, TPU VM)
-or the Secret `k8s.token_secret`, the SGLang API key from `sglang_key_env` or
-`k8s.sglang_key_secret`, and every process reads them from its environment (SGLang from a
-private --config file). BUILD.md ("Cluster launch templates") says what each file assumes;
-docs/system.md ("Threat model") what each port and credential protects.
+here rather than after the nodes start. `engine` picks the rollout fleet of the Slurm and
+Kubernetes files: "sglang" (SGLang servers behind sglang-router) or "vllm" (launch.vllm_server
+servers, no router: worker i generates on server i mod vllm.nodes). No secret is ever written
+into a file or onto a command line: the gRPC token comes from the environment variable
+`token_env` (Slurm, TPU VM) or the Secret `k8s.token_secret`, the servers' API key from
+`sglang_key_env` or `k8s.sglang_key_secret` (vLLM: `vllm_key_env`, `k8s.vllm_key_secret`),
+and every process reads them from its environment (SGLang from a private --config file).
+BUILD.md ("Cluster launch templates") says what each file assumes; docs/system.md ("Threat
+model") what each port and credential protects.
 """
 
 import importlib.util
@@ -33,6 +36,10 @@ from launch import common
 
 TEMPLATES = Path(__file__).with_name("cluster")
 FILES = {"slurm": "slurm.sbatch", "k8s": "k8s.yaml", "tpu_vm": "tpu_vm.sh"}
+# The rollout fleets: the engine's name in messages and the variable its clients read the API
+# key from (fr_jax's SGLangEngine / VLLMEngine `api_key_env`; launch.router, launch.vllm_server).
+ENGINES = {"sglang": ("SGLang", "SGLANG_API_KEY"), "vllm": ("vLLM", "VLLM_API_KEY")}
+VLLM_DTYPES = ("float32", "bfloat16")  # launch.vllm_server --dtype's choices
 
 CLUSTER = config_flags.DEFINE_config_file(
     "cluster", None, "cluster config file (get_config(), e.g. launch/cluster/example.py); "
@@ -98,7 +105,8 @@ def validate(k, targets) -> None:
           "every host)")
   _need(bool(_PLAIN.fullmatch(k.run_config)) and not k.run_config.startswith("/"),
         f"run_config={k.run_config!r}: give a path relative to workdir (the repository)")
-  for field in ("token_env", "sglang_key_env"):
+  _need(k.engine in ENGINES, f"engine={k.engine!r}: choose one of {', '.join(ENGINES)}")
+  for field in ("token_env", f"{k.engine}_key_env"):
     _need(bool(_ENV_NAME.fullmatch(k[field])),
           f"{field}={k[field]!r}: give an environment variable name")
   _need(k.tls.dir == "" or (k.tls.dir.startswith("/") and bool(_PLAIN.fullmatch(k.tls.dir))),
@@ -116,31 +124,45 @@ def validate(k, targets) -> None:
 
 
 def _validate_fleet(k):
-  """The GPU learner, the SGLang servers with their relays, the router and the workers."""
+  """The GPU learner, the `engine` servers with their relays (SGLang: and the router) and
+  the workers."""
+  e = k.engine
   _ints(k, ["learner.nodes", "learner.devices_per_node", "learner.mesh_data",
-            "learner.mesh_fsdp", "sglang.nodes", "sglang.gpus_per_node", "sglang.tp_size",
-            "workers.count", "workers.nodes", "workers.cpus", "router.startup_timeout_s"])
-  _ports(k, ["learner.coordinator_port", "sglang.port", "router.port"])
+            "learner.mesh_fsdp", f"{e}.nodes", f"{e}.gpus_per_node", f"{e}.tp_size",
+            "workers.count", "workers.nodes", "workers.cpus"])
+  _ports(k, ["learner.coordinator_port", f"{e}.port"])
   _need(k.learner.port != k.learner.coordinator_port,
         f"learner.port and learner.coordinator_port are both {k.learner.port}: they share a host")
   devices = k.learner.nodes * k.learner.devices_per_node
   _need(k.learner.mesh_data * k.learner.mesh_fsdp == devices,
         f"learner.mesh_data * learner.mesh_fsdp = {k.learner.mesh_data * k.learner.mesh_fsdp}, "
         f"but learner.nodes * learner.devices_per_node = {devices}: make them equal")
-  _need(k.sglang.gpus_per_node % k.sglang.tp_size == 0,
-        f"sglang.tp_size={k.sglang.tp_size} must divide sglang.gpus_per_node="
-        f"{k.sglang.gpus_per_node}")
-  _need(0 < k.sglang.mem_fraction_static < 1,
-        f"sglang.mem_fraction_static={k.sglang.mem_fraction_static} must be in (0, 1)")
-  _need(isinstance(k.sglang.extra_args, (tuple, list))
-        and all(isinstance(a, str) for a in k.sglang.extra_args),
-        f"sglang.extra_args={k.sglang.extra_args!r}: give a tuple of strings")
-  _need(bool(_PLAIN.fullmatch(k.sglang.python)),
-        f"sglang.python={k.sglang.python!r}: give an interpreter path")
+  s = k[e]
+  _need(s.gpus_per_node % s.tp_size == 0,
+        f"{e}.tp_size={s.tp_size} must divide {e}.gpus_per_node={s.gpus_per_node}")
+  _need(isinstance(s.extra_args, (tuple, list)) and all(isinstance(a, str) for a in s.extra_args),
+        f"{e}.extra_args={s.extra_args!r}: give a tuple of strings")
+  _need(not [a for a in s.extra_args if a.startswith("--api-key")],
+        f"{e}.extra_args has --api-key: the key comes from {e}_key_env (a command line is "
+        "public on its host)")
+  _need(bool(_PLAIN.fullmatch(s.python)), f"{e}.python={s.python!r}: give an interpreter path")
   _need(k.workers.nodes <= k.workers.count,
         f"workers.nodes={k.workers.nodes} exceeds workers.count={k.workers.count}")
   _need(k.relay.dir.startswith("/") and bool(_PLAIN.fullmatch(k.relay.dir)),
         f"relay.dir={k.relay.dir!r}: give an absolute path without spaces or quotes")
+  if e == "sglang":
+    _ints(k, ["router.startup_timeout_s"])
+    _ports(k, ["router.port"])
+    _need(0 < s.mem_fraction_static < 1,
+          f"sglang.mem_fraction_static={s.mem_fraction_static} must be in (0, 1)")
+  else:
+    _ints(k, ["vllm.max_model_len"])
+    _need(s.dtype in VLLM_DTYPES, f"vllm.dtype={s.dtype!r}: choose one of {VLLM_DTYPES}")
+    _need(0 < s.gpu_memory_utilization <= 1,
+          f"vllm.gpu_memory_utilization={s.gpu_memory_utilization} must be in (0, 1]")
+    _need(k.workers.count >= s.nodes,
+          f"workers.count={k.workers.count} < vllm.nodes={s.nodes}: worker i generates on "
+          "server i mod vllm.nodes, so some servers would get no worker")
 
 
 def _validate_slurm(s):
@@ -156,7 +178,7 @@ def _validate_slurm(s):
 def _validate_k8s(k):
   _need(bool(_DNS_LABEL.fullmatch(k.k8s.namespace)),
         f"k8s.namespace={k.k8s.namespace!r}: not a Kubernetes namespace name")
-  for field in ("sglang_image", "gpu_resource", "token_secret", "sglang_key_secret"):
+  for field in (f"{k.engine}_image", "gpu_resource", "token_secret", f"{k.engine}_key_secret"):
     _need(bool(_PLAIN.fullmatch(k.k8s[field])), f"k8s.{field}={k.k8s[field]!r}: give a name")
   _need(bool(k.tls.dir) == bool(k.k8s.tls_secret),
         f"tls.dir={k.tls.dir!r} and k8s.tls_secret={k.k8s.tls_secret!r}: set both (TLS, the "
@@ -192,23 +214,42 @@ def _validate_tpu(t):
 
 def learner_overrides(k, mesh) -> dict:
   """The --config.* fields the learner commands set; `mesh` is (data, fsdp). Weights reach
-  the SGLang servers through the relays, so the learner exports no HF directory: a worker
-  that saw one in its heartbeat would send `/update_weights_from_disk` to the router, which
-  has no such route."""
+  the servers through the relays, so the learner exports no HF directory: a worker that saw
+  one in its heartbeat would ask its server (SGLang: the router, which has no such route) to
+  load a path on the learner's disk."""
   return {"model.name": f"hf:{k.checkpoint}", "mesh.data": mesh[0], "mesh.fsdp": mesh[1],
           "service.export_hf": False}
 
 
 def worker_overrides(k) -> dict:
-  """The --config.* fields the worker commands set, besides rollout.server_url (the router's
-  URL, which each template writes in its own terms)."""
-  return {"model.name": f"hf:{k.checkpoint}", "rollout.engine": "sglang"}
+  """The --config.* fields the worker commands set, besides rollout.server_url (SGLang: the
+  router's URL; vLLM: server i mod vllm.nodes for worker i), which each template writes in
+  its own terms."""
+  return {"model.name": f"hf:{k.checkpoint}", "rollout.engine": k.engine}
 
 
 def relay_overrides(k) -> dict:
   """The --config.* fields the weight relays set (they build the HF config and tokenizer
   files from the run config's model)."""
   return {"model.name": f"hf:{k.checkpoint}"}
+
+
+def relay_flags(k) -> list:
+  """The relays' flags besides --config, --learner, --server, --dir and TLS: the engine
+  (launch.weight_relay's default is sglang)."""
+  return [] if k.engine == "sglang" else [f"--engine={k.engine}"]
+
+
+def vllm_args(k) -> tuple:
+  """(launch.vllm_server's flags, vLLM's own after `--`), less --export_dir (each template
+  names its relay folder in its own terms). The key is $VLLM_API_KEY, never an argument."""
+  v = k.vllm
+  ours = [f"--model={k.checkpoint}", "--host=0.0.0.0", f"--port={v.port}", f"--dtype={v.dtype}",
+          f"--max_model_len={v.max_model_len}", f"--python={v.python}"]
+  theirs = [f"--tensor-parallel-size={v.tp_size}",
+            f"--data-parallel-size={v.gpus_per_node // v.tp_size}",
+            f"--gpu-memory-utilization={v.gpu_memory_utilization}", *v.extra_args]
+  return ours, theirs
 
 
 def tls_flags(k) -> dict:
@@ -255,6 +296,11 @@ def check_run_config(k, targets) -> None:
     except rcfg.ConfigError as e:
       raise ClusterError(f"run_config {k.run_config} with the {who}'s overrides "
                          f"{overrides}: {e}") from None
+    if who == "worker" and k.engine == "vllm" and {"slurm", "k8s"} & set(targets):
+      _need(k.vllm.max_model_len >= c.agent.max_total_tokens,
+            f"vllm.max_model_len={k.vllm.max_model_len} is below run_config {k.run_config}'s "
+            f"agent.max_total_tokens={c.agent.max_total_tokens}: the servers would refuse "
+            "the longest episodes")
 
 
 def context(k, source: str, targets) -> dict:
@@ -262,30 +308,44 @@ def context(k, source: str, targets) -> dict:
   targets use."""
   ctx = dict(k=k.to_dict(), source=source, **tls_flags(k))
   if {"slurm", "k8s"} & set(targets):
+    e, fleet = k.engine, k[k.engine]
     ctx.update(learner_overrides=learner_overrides(k, (k.learner.mesh_data, k.learner.mesh_fsdp)),
                worker_overrides=worker_overrides(k), relay_overrides=relay_overrides(k),
-               sglang_dp=k.sglang.gpus_per_node // k.sglang.tp_size)
+               relay_flags=relay_flags(k), engine=e, fleet=fleet.to_dict(),
+               engine_name=ENGINES[e][0], key_var=ENGINES[e][1], key_env=k[f"{e}_key_env"],
+               server_dp=fleet.gpus_per_node // fleet.tp_size)
+    if e == "vllm":
+      ctx.update(zip(("vllm_flags", "vllm_engine_args"), vllm_args(k)))
   if "k8s" in targets:
+    e, fleet = k.engine, k[k.engine]
     svc = f"{k.k8s.namespace}.svc.cluster.local"
     learner0 = f"{k.name}-learner-0.{k.name}-learner.{svc}"  # indexed Job pod 0's DNS name
+    server = f"http://{k.name}-{e}-{{}}.{k.name}-{e}.{svc}:{fleet.port}"  # StatefulSet pod {}
     ctx.update(
         k8s_learner0=learner0,
         k8s_coordinator=f"{learner0}:{k.learner.coordinator_port}",
-        k8s_server_urls=[f"http://{k.name}-sglang-{i}.{k.name}-sglang.{svc}:{k.sglang.port}"
-                         for i in range(k.sglang.nodes)],
-        k8s_router_url=f"http://{k.name}-router.{svc}:{k.router.port}")
+        k8s_key_secret=k.k8s[f"{e}_key_secret"],
+        k8s_server_urls=[server.format(i) for i in range(fleet.nodes)])
+    if e == "sglang":
+      ctx.update(k8s_router_url=f"http://{k.name}-router.{svc}:{k.router.port}")
+    else:  # worker i: server i mod nodes, picked by the pod's shell (`$$` is kubelet's `$`)
+      ctx.update(k8s_worker_server_url=server.format(
+          f"$$((JOB_COMPLETION_INDEX % {fleet.nodes}))"))
   if "tpu_vm" in targets:
     ctx.update(tpu_overrides=learner_overrides(k, (k.tpu.mesh_data, k.tpu.mesh_fsdp)))
   return ctx
 
 
 def summary(k, target: str) -> str:
+  if target in ("slurm", "k8s"):
+    fleet = f"{k[k.engine].nodes} {ENGINES[k.engine][0]}"
   if target == "slurm":
-    return (f"{k.learner.nodes} learner + {k.sglang.nodes} SGLang + {k.workers.nodes} rollout "
+    return (f"{k.learner.nodes} learner + {fleet} + {k.workers.nodes} rollout "
             f"nodes, {k.workers.count} workers")
   if target == "k8s":
-    return (f"namespace {k.k8s.namespace}: {k.learner.nodes} learner pods, {k.sglang.nodes} "
-            f"SGLang pods, a router, {k.workers.count} workers")
+    router = ", a router" if k.engine == "sglang" else ""
+    return (f"namespace {k.k8s.namespace}: {k.learner.nodes} learner pods, {fleet} "
+            f"pods{router}, {k.workers.count} workers")
   return f"{k.tpu.accelerator_type} {k.tpu.name} in {k.tpu.zone}: the learner"
 
 

@@ -19,7 +19,10 @@ The server is `vllm.entrypoints.openai.api_server` with:
 * `--no-enable-chunked-prefill`: vLLM 0.32 on CPU crashes when it chunks the prefill of a
   seeded request, so each prompt is prefilled whole instead;
 * `VLLM_SERVER_DEV_MODE=1`: the pause, reload and version routes;
-* the key from $VLLM_API_KEY, never on a command line (`ps` shows those to every user);
+* the key from $VLLM_API_KEY, never on a command line (`ps` shows those to every user),
+  required on every route but GET /health (`--middleware launch.vllm_guard.RequireKey`: vLLM
+  0.32 checks it only under /v1, /v2, /inference and /cohere, which left /pause,
+  /collective_rpc and the other weight routes open);
 * on CPU, a KV cache of --kv_cache_gib (vLLM's default takes most of the machine's memory),
   and OpenMP threads left to float (`VLLM_CPU_OMP_THREADS_BIND=nobind`: vLLM's default pins
   one core and keeps the other for itself, which on 2 cores leaves nothing for the learner).
@@ -52,16 +55,19 @@ class ServerError(RuntimeError):
 
 
 def server_command(model_dir, *, host: str = "127.0.0.1", port: int = 30000,
+                   enforce_eager: bool = True,
                    dtype: str = "float32", max_model_len: int = 2048, python=None,
                    served_name: str | None = None, extra=()) -> list[str]:
   """The command line (no key on it: `server_env` carries it)."""
   from fr_jax.rollout.vllm import SERVER_FLAGS
   return [str(python or DEFAULT_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
           "--model", str(model_dir), "--host", host, "--port", str(port), "--dtype", dtype,
-          "--max-model-len", str(max_model_len), "--enforce-eager",
+          "--max-model-len", str(max_model_len), *(["--enforce-eager"] if enforce_eager else []),
           # every prompt prefilled whole in one step (chunked prefill is off: SERVER_FLAGS)
           "--max-num-batched-tokens", str(max(max_model_len, 2048)),
           "--disable-uvicorn-access-log",  # a line per request would swamp the log
+          # the key on every route, not only vLLM's /v1, /inference, ... (launch/vllm_guard.py)
+          "--middleware", "launch.vllm_guard.RequireKey",
           "--served-model-name", served_name or Path(model_dir).name, *SERVER_FLAGS, *extra]
 
 
@@ -76,12 +82,16 @@ def server_env(api_key: str | None, *, kv_cache_gib: int = 1, threads: int | Non
                        "VLLM_DO_NOT_TRACK": "1"}
   if threads:
     env["OMP_NUM_THREADS"] = str(threads)
+  # the guard middleware (launch/vllm_guard.py) is imported by the server from this checkout
+  env["PYTHONPATH"] = os.pathsep.join(
+      [str(ROOT), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
   if api_key:
     env[KEY_ENV] = api_key
   return env
 
 
 def start(model_dir, *, port: int, api_key: str | None, host: str = "127.0.0.1",
+          enforce_eager: bool = True,
           dtype: str = "float32", max_model_len: int = 2048, kv_cache_gib: int = 1,
           log=None, python=None, threads: int | None = None, extra=()) -> subprocess.Popen:
   """Starts a server process (its own process group, so `stop` ends its engine too)."""
@@ -99,7 +109,7 @@ def start(model_dir, *, port: int, api_key: str | None, host: str = "127.0.0.1",
   out = open(log, "ab") if log else None  # noqa: SIM115 (the child keeps it)
   return subprocess.Popen(
       server_command(model_dir, host=host, port=port, dtype=dtype, python=python,
-                     max_model_len=max_model_len, extra=extra),
+                     max_model_len=max_model_len, enforce_eager=enforce_eager, extra=extra),
       env=server_env(api_key, kv_cache_gib=kv_cache_gib, threads=threads),
       stdout=out or subprocess.DEVNULL, stderr=subprocess.STDOUT if out else None,
       stdin=subprocess.DEVNULL, start_new_session=True)
@@ -215,6 +225,9 @@ def main(argv=None) -> int:
   flags.DEFINE_string("log", "", "the server's log file (default: stderr)")
   flags.DEFINE_string("python", str(DEFAULT_PYTHON), "the python of the vLLM environment")
   flags.DEFINE_bool("allow_no_key", False, "serve without $VLLM_API_KEY (loopback tests)")
+  flags.DEFINE_bool("enforce_eager", True, "no compiled graphs (CPU: no compile at start; on "
+                    "GPUs --noenforce_eager captures CUDA graphs, faster decode)")
+  flags.DEFINE_float("ready_timeout_s", 300.0, "give up if /health does not answer by then")
   from launch import common
   args = common.parse_flags(sys.argv if argv is None else argv)
   f = flags.FLAGS
@@ -240,14 +253,15 @@ def main(argv=None) -> int:
   try:
     proc = start(model_dir, port=f.port, host=f.host, api_key=key or None, dtype=f.dtype,
                  max_model_len=f.max_model_len, kv_cache_gib=f.kv_cache_gib,
-                 log=f.log or None, python=f.python, extra=extra)
+                 log=f.log or None, python=f.python, enforce_eager=f.enforce_eager,
+                 extra=extra)
   except ServerError as e:
     common.fail(str(e))
   for sig in (signal.SIGTERM, signal.SIGINT):
     signal.signal(sig, lambda *_: stop(proc))
   url = url_of(f.host, f.port)
   try:
-    s = wait_ready(proc, url, log=f.log or None)
+    s = wait_ready(proc, url, timeout_s=f.ready_timeout_s, log=f.log or None)
   except ServerError as e:
     stop(proc)
     common.fail(str(e))

@@ -3,8 +3,10 @@
 What can be checked without a cluster: the files render, the shell scripts parse (`bash -n`)
 and run against stub `srun`/`scontrol`/`gcloud`/`python` that record every command line, the
 manifests are YAML of the right shape, every flag passed to one of our commands (or to
-sglang-router, or to SGLang) exists, and a bad cluster config is one line with exit status 2.
-Expected values are computed here from the cluster config, not read back from the renderer.
+sglang-router, or to SGLang, or to vLLM) exists, and a bad cluster config is one line with
+exit status 2. Both rollout fleets: SGLang (the example's default) and vLLM
+(`--cluster.engine=vllm`). Expected values are computed here from the cluster config, not
+read back from the renderer.
 """
 
 import importlib.util
@@ -25,6 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = "launch/cluster/example.py"
 TOKEN = "not-a-real-token-7f3a"  # must never reach a rendered file or a command line
 KEY = "not-a-real-key-9c1e"  # the SGLang API key: the same
+VKEY = "not-a-real-vllm-key-5b2d"  # the vLLM API key: the same
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"  # `make vllm-tools`
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=XLA_TEST_FLAGS)
 # sglang.launch_server needs CUDA and is not installed here: its arguments are checked against
 # this list, copied from SGLang's documentation of server arguments
@@ -67,17 +71,17 @@ def rendered(tmp_path_factory):
 def stubs(folder: Path) -> Path:
   """srun, scontrol, gcloud and python that record their arguments (NUL-separated), then the
   credentials in their environment, in $CALLS; srun runs the command it was given, as
-  task 0."""
+  task $STUB_PROCID (default 0)."""
   folder.mkdir(exist_ok=True)
-  # (a recorder ignores SIGTERM: the script stops an SGLang node's pair when one exits)
+  # (a recorder ignores SIGTERM: the script stops a server node's pair when one exits)
   record = ('trap "" TERM\n'
             'printf "%s\\0" "$(basename "$0")" "$@" --ENV-- "${FR_JAX_TOKEN:-}" '
-            '"${SGLANG_API_KEY:-}" > "$(mktemp "$CALLS/call.XXXXXX")"\n')
+            '"${SGLANG_API_KEY:-}" "${VLLM_API_KEY:-}" > "$(mktemp "$CALLS/call.XXXXXX")"\n')
   scripts = {
       "python": record,
       "scontrol": 'tr "," "\\n" <<< "$3"\n',  # scontrol show hostnames a,b
       "srun": record + 'while [[ "${1:-}" == --* ]]; do shift; done\n'
-              'SLURM_PROCID=0 exec "$@"\n',
+              'SLURM_PROCID="${STUB_PROCID:-0}" exec "$@"\n',
       "gcloud": record + 'if [[ "$4" == scp ]]; then cp "$5" "$HOME/.fr_jax_token"; fi\n'
                 'if [[ "$4" == describe ]]; then echo 10.1.2.3; fi\n',
   }
@@ -87,14 +91,16 @@ def stubs(folder: Path) -> Path:
   return folder
 
 
-def calls(folder: Path, env: bool = False) -> list:
-  """Each recorded command line; with `env`, (command line, $FR_JAX_TOKEN, $SGLANG_API_KEY)
-  as the command saw them."""
+def calls(folder: Path, env: bool = False, key_var: str = "SGLANG_API_KEY") -> list:
+  """Each recorded command line; with `env`, (command line, $FR_JAX_TOKEN, $`key_var`) as the
+  command saw them (`key_var`: SGLANG_API_KEY or VLLM_API_KEY)."""
   out = []
   for f in folder.iterdir():
     parts = f.read_bytes().decode().split("\0")[:-1]
     i = parts.index("--ENV--")
-    out.append((parts[:i], *parts[i + 1:]) if env else parts[:i])
+    token, sglang_key, vllm_key = parts[i + 1:]
+    key = {"SGLANG_API_KEY": sglang_key, "VLLM_API_KEY": vllm_key}[key_var]
+    out.append((parts[:i], token, key) if env else parts[:i])
   return out
 
 
@@ -122,17 +128,21 @@ def after(args, flag):
   return args[i:j]
 
 
-def run_slurm(rendered, tmp_path, groups):
+def run_slurm(rendered, tmp_path, groups, keys=None, key_var="SGLANG_API_KEY", procid=0):
+  """The rendered slurm.sbatch run against stubs, with `keys` ({variable: value}; default:
+  the SGLang key) in its environment and srun's tasks numbered `procid`."""
   out, k, _ = rendered
   log = tmp_path / "calls"
   log.mkdir()
-  env = dict(ENV, PATH=f"{stubs(tmp_path / 'bin')}:{os.environ['PATH']}", CALLS=str(log),
-             TMPDIR=str(tmp_path), **{k.token_env: TOKEN, k.sglang_key_env: KEY})
+  env = {key: v for key, v in ENV.items() if key not in ("SGLANG_API_KEY", "VLLM_API_KEY")}
+  env.update(PATH=f"{stubs(tmp_path / 'bin')}:{os.environ['PATH']}", CALLS=str(log),
+             TMPDIR=str(tmp_path), STUB_PROCID=str(procid),
+             **{k.token_env: TOKEN, **(keys or {k.sglang_key_env: KEY})})
   for i, hosts in enumerate(groups):
     env[f"SLURM_JOB_NODELIST_HET_GROUP_{i}"] = ",".join(hosts)
   r = subprocess.run(["bash", str(out / "slurm.sbatch")], env=env, capture_output=True,
                      text=True, timeout=60)
-  return r, calls(log, env=True)
+  return r, calls(log, env=True, key_var=key_var)
 
 
 @pytest.fixture(scope="module")
@@ -402,11 +412,13 @@ def test_k8s_manifests(rendered):
     assert spec["podSelector"]["matchLabels"]["app"] in labels.values()
 
 
-def test_k8s_claims_are_mounted(tmp_path):
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_k8s_claims_are_mounted(tmp_path, engine):
   """With claims for the run directory and the checkpoint, each pod mounts what it reads."""
   k = load_example()
   r = cli(f"--cluster={EXAMPLE}", "--target=k8s", f"--out={tmp_path}",
-          "--cluster.k8s.run_dir_pvc=runs", "--cluster.k8s.checkpoint_pvc=weights")
+          "--cluster.k8s.run_dir_pvc=runs", "--cluster.k8s.checkpoint_pvc=weights",
+          f"--cluster.engine={engine}")
   assert r.returncode == 0, r.stderr
   docs = list(yaml.safe_load_all((tmp_path / "k8s.yaml").read_text()))
   for d in docs:
@@ -539,6 +551,21 @@ def test_sglang_flags_are_documented(rendered, slurm_calls):
     (["--cluster.k8s.run_dir_pvc="], "k8s.run_dir_pvc"),
     (["--cluster.tls.dir=/etc/fr_jax/tls"], "k8s.tls_secret"),
     (["--cluster.sglang_key_env=1BAD"], "sglang_key_env"),
+    (["--cluster.engine=trtllm"], "engine='trtllm'"),
+    (["--cluster.engine=vllm", "--cluster.vllm_key_env=1BAD"], "vllm_key_env"),
+    (["--cluster.engine=vllm", "--cluster.vllm.tp_size=3"], "vllm.tp_size=3"),
+    (["--cluster.engine=vllm", "--cluster.vllm.port=0"], "vllm.port=0"),
+    (["--cluster.engine=vllm", "--cluster.vllm.dtype=float16"], "vllm.dtype"),
+    (["--cluster.engine=vllm", "--cluster.vllm.gpu_memory_utilization=1.5"],
+     "vllm.gpu_memory_utilization"),
+    (["--cluster.engine=vllm", "--cluster.vllm.extra_args=('--api-key=x',)"],
+     "vllm.extra_args has --api-key"),
+    # one server would get no worker (worker i generates on server i mod vllm.nodes)
+    (["--cluster.engine=vllm", "--cluster.workers.count=1"], "workers.count=1 < vllm.nodes"),
+    # the recipe's agent.max_total_tokens (4608) would not fit
+    (["--cluster.engine=vllm", "--cluster.vllm.max_model_len=4096"], "agent.max_total_tokens"),
+    (["--cluster.engine=vllm", "--cluster.k8s.vllm_key_secret=has space"],
+     "k8s.vllm_key_secret"),
 ])
 def test_bad_config_is_one_line_and_exit_2(tmp_path, override, named):
   r = cli(f"--cluster={EXAMPLE}", f"--out={tmp_path}", *override)
@@ -559,12 +586,13 @@ def test_one_target_checks_only_what_it_uses(tmp_path):
   assert r.returncode == 2 and "v5p-8 has 4 JAX devices" in r.stderr, r.stderr
 
 
-def test_tls_reaches_every_grpc_end(tmp_path):
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_tls_reaches_every_grpc_end(tmp_path, engine):
   """With tls.dir, the learner serves mutual TLS and every worker and relay presents the
   client certificate, in all three files."""
   d = "/etc/fr_jax/tls"
   r = cli(f"--cluster={EXAMPLE}", "--target=all", f"--out={tmp_path}", f"--cluster.tls.dir={d}",
-          "--cluster.k8s.tls_secret=fr-jax-tls")
+          "--cluster.k8s.tls_secret=fr-jax-tls", f"--cluster.engine={engine}")
   assert r.returncode == 0, r.stderr
   server = [f"--tls_cert={d}/server.pem", f"--tls_key={d}/server.key",
             f"--tls_client_ca={d}/ca.pem"]
@@ -582,3 +610,306 @@ def test_tls_reaches_every_grpc_end(tmp_path):
     text = (tmp_path / name).read_text()
     assert all(f in text for f in server), name
   assert (tmp_path / "slurm.sbatch").read_text().count(client[1]) == 2  # relays, workers
+
+
+# --- The vLLM fleet (--cluster.engine=vllm): launch.vllm_server per node, no router ---
+
+def kubelet_expand(s: str, env: dict) -> str:
+  """Kubernetes' expansion of a container's command and args: `$(NAME)` is NAME's value (left
+  as it is when NAME is not defined), `$$` is `$`."""
+  out, i = [], 0
+  while i < len(s):
+    if s[i] == "$" and i + 1 < len(s):
+      if s[i + 1] == "(" and (j := s.find(")", i + 2)) != -1:
+        out.append(env.get(s[i + 2:j], s[i:j + 1]))
+        i = j + 1
+        continue
+      out.append("$" if s[i + 1] == "$" else s[i:i + 2])
+      i += 2
+      continue
+    out.append(s[i])
+    i += 1
+  return "".join(out)
+
+
+@pytest.fixture(scope="module")
+def rendered_vllm(tmp_path_factory):
+  """(out dir, cluster config, stdout): the Slurm and Kubernetes files of the example with
+  engine=vllm, its host paths moved under a temporary folder."""
+  base = tmp_path_factory.mktemp("cluster_vllm")
+  paths = {"run_dir": base / "run", "workdir": base / "work"}
+  (base / "work").mkdir()
+  k = load_example()
+  k.update_from_flattened_dict({key: str(p) for key, p in paths.items()})
+  k.engine = "vllm"
+  out = base / "out"
+  r = cli(f"--cluster={EXAMPLE}", "--target=all", f"--out={out}", "--cluster.engine=vllm",
+          *(f"--cluster.{key}={p}" for key, p in paths.items()),
+          env=dict(ENV, **{k.token_env: TOKEN, k.vllm_key_env: VKEY}))
+  assert r.returncode == 0, r.stderr
+  return out, k, r.stdout
+
+
+VLLM_PROCID = 3  # the worker task the Slurm stubs run: server 3 mod vllm.nodes
+
+
+@pytest.fixture(scope="module")
+def vllm_slurm_calls(rendered_vllm, tmp_path_factory):
+  """slurm.sbatch run against stubs with only the token and the vLLM key in its environment
+  (no SGLang key: the vLLM file must not need one)."""
+  _, k, _ = rendered_vllm
+  groups = ([f"gpu-l{i}" for i in range(k.learner.nodes)],
+            [f"gpu-v{i}" for i in range(k.vllm.nodes)],
+            [f"cpu-r{i}" for i in range(k.workers.nodes)])
+  r, got = run_slurm(rendered_vllm, tmp_path_factory.mktemp("slurm_vllm"), groups,
+                     keys={k.vllm_key_env: VKEY}, key_var="VLLM_API_KEY", procid=VLLM_PROCID)
+  assert r.returncode == 0, r.stderr
+  return groups, [argv for argv, *_ in got], got
+
+
+def test_vllm_renders_without_secrets(rendered_vllm):
+  out, k, stdout = rendered_vllm
+  assert [line.split()[0] for line in stdout.splitlines()] == [
+      str(out / "slurm.sbatch"), str(out / "k8s.yaml"), str(out / "tpu_vm.sh")]
+  assert f"{k.vllm.nodes} vLLM" in stdout and "router" not in stdout
+  text = "".join((out / name).read_text() for name in os.listdir(out))
+  assert TOKEN not in text and VKEY not in text
+  assert "--api-key" not in text  # the key reaches vLLM through launch.vllm_server's env
+  r = subprocess.run(["bash", "-n", str(out / "slurm.sbatch")], capture_output=True, text=True)
+  assert r.returncode == 0, r.stderr
+
+
+def test_vllm_slurm_components_match_config(rendered_vllm):
+  out, k, _ = rendered_vllm
+  directives = [line.split(None, 1)[1] for line in (out / "slurm.sbatch").read_text()
+                .splitlines() if line.startswith("#SBATCH")]
+  parts = [[]]
+  for d in directives:
+    if d == "hetjob":
+      parts.append([])
+    else:
+      parts[-1].append(d)
+  opts = [dict(d.split("=", 1) for d in part if "=" in d) for part in parts]
+  assert len(opts) == 3
+  assert opts[1]["--nodes"] == str(k.vllm.nodes)
+  assert opts[1]["--gpus-per-node"] == str(k.vllm.gpus_per_node)
+  assert opts[2]["--ntasks"] == str(k.workers.count)  # the workers alone: no router
+
+
+def test_vllm_slurm_run_wires_the_hosts(rendered_vllm, vllm_slurm_calls):
+  _, k, _ = rendered_vllm
+  (learners, servers, _), got, with_env = vllm_slurm_calls
+  steps = [c[1:] for c in got if c[0] == "srun"]
+  assert len(steps) == 3  # learner, vLLM fleet, workers
+  fleet_step = next(s for s in steps if "vllm_node" in s)
+  assert fleet_step[:3] == ["--het-group=1", f"--nodes={k.vllm.nodes}", "--ntasks-per-node=1"]
+  worker_step = next(s for s in steps if "worker_task" in s)
+  assert "--het-group=2" in worker_step and f"--ntasks={k.workers.count}" in worker_step
+
+  py = {m: a for m, a in filter(None, map(module_args, (c for c in got if c[0] == "python")))}
+  assert set(py) == {"launch.learner", "launch.vllm_server", "launch.weight_relay",
+                     "launch.worker"}
+  # No credential on any command line; each process has the ones it uses in its environment.
+  assert not [c for c in got if TOKEN in " ".join(c) or VKEY in " ".join(c)]
+  seen = {m[0]: (token, key) for c, token, key in with_env if (m := module_args(c))}
+  for m in ("launch.learner", "launch.weight_relay", "launch.worker"):
+    assert seen[m][0] == TOKEN, m
+  for m in ("launch.vllm_server", "launch.weight_relay", "launch.worker"):
+    assert seen[m][1] == VKEY, m
+
+  a = py["launch.vllm_server"]
+  assert flag_value(a, "model") == k.checkpoint and flag_value(a, "host") == "0.0.0.0"
+  assert flag_value(a, "port") == str(k.vllm.port)
+  assert flag_value(a, "dtype") == k.vllm.dtype
+  assert flag_value(a, "max_model_len") == str(k.vllm.max_model_len)
+  assert flag_value(a, "python") == k.vllm.python
+  assert "api_key" not in flag_names(a) and "allow_no_key" not in flag_names(a)
+  export_dir = flag_value(a, "export_dir")
+  vllm_args = a[a.index("--") + 1:]  # vLLM's own, after launch.vllm_server's `--`
+  assert flag_value(vllm_args, "tensor-parallel-size") == str(k.vllm.tp_size)
+  assert int(flag_value(vllm_args, "data-parallel-size")) * k.vllm.tp_size \
+      == k.vllm.gpus_per_node
+  assert flag_value(vllm_args, "gpu-memory-utilization") == str(k.vllm.gpu_memory_utilization)
+  a = py["launch.weight_relay"]
+  assert flag_value(a, "engine") == "vllm"
+  assert flag_value(a, "server") == f"http://127.0.0.1:{k.vllm.port}"  # its own server
+  assert flag_value(a, "learner") == f"{learners[0]}:{k.learner.port}"
+  relay_dir = flag_value(a, "dir")
+  assert relay_dir.startswith(k.relay.dir + ".")  # private to the job (mktemp -d)
+  assert export_dir == f"{relay_dir}/model"  # the server's untied copy: beside the versions
+  a = py["launch.worker"]
+  assert flag_value(a, "worker_index") == str(VLLM_PROCID)
+  assert flag_value(a, "config.rollout.engine") == "vllm"
+  # worker i generates on server i mod vllm.nodes, directly
+  assert flag_value(a, "config.rollout.server_url") == \
+      f"http://{servers[VLLM_PROCID % k.vllm.nodes]}:{k.vllm.port}"
+
+
+def test_vllm_slurm_refuses_to_start_without_the_key(rendered_vllm, tmp_path):
+  out, k, _ = rendered_vllm
+  log = tmp_path / "calls"
+  log.mkdir()
+  env = {key: v for key, v in ENV.items()
+         if key not in (k.token_env, k.vllm_key_env, "SGLANG_API_KEY")}
+  env.update(PATH=f"{stubs(tmp_path / 'bin')}:{os.environ['PATH']}", CALLS=str(log),
+             **{k.token_env: TOKEN, k.vllm_key_env: ""})
+  r = subprocess.run(["bash", str(out / "slurm.sbatch")], env=env, capture_output=True,
+                     text=True, timeout=60)
+  assert r.returncode != 0 and k.vllm_key_env in r.stderr, r.stderr
+  assert calls(log) == []  # nothing was started
+
+
+def test_vllm_k8s_manifests(rendered_vllm, tmp_path):
+  _, k, _ = rendered_vllm
+  docs = k8s_docs(rendered_vllm)
+  assert sorted(d["kind"] for d in docs) == sorted(
+      ["Service"] * 2 + ["Job"] * 2 + ["StatefulSet"] + ["NetworkPolicy"] * 2)  # no router
+  by = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+  cs = containers(docs)
+  svc = f"{k.k8s.namespace}.svc.cluster.local"
+  learner0 = f"{k.name}-learner-0.{k.name}-learner.{svc}"
+  key_ref = {"name": k.k8s.vllm_key_secret, "key": "key"}
+
+  sts = by[("StatefulSet", f"{k.name}-vllm")]["spec"]
+  assert sts["replicas"] == k.vllm.nodes and sts["serviceName"] == f"{k.name}-vllm"
+  assert by[("Service", f"{k.name}-vllm")]["spec"]["clusterIP"] == "None"
+  pair = cs[("StatefulSet", f"{k.name}-vllm")]
+  server, relay = pair["vllm"], pair["weight-relay"]
+  assert server["image"] == k.k8s.vllm_image
+  assert module_args(server["command"] + server["args"])[0] == "launch.vllm_server"
+  a = server["args"]
+  assert flag_value(a, "model") == k.checkpoint and flag_value(a, "port") == str(k.vllm.port)
+  assert flag_value(a, "host") == "0.0.0.0" and flag_value(a, "python") == k.vllm.python
+  assert flag_value(a, "export_dir").startswith(k.relay.dir + "/")
+  vllm_args = a[a.index("--") + 1:]
+  assert flag_value(vllm_args, "tensor-parallel-size") == str(k.vllm.tp_size)
+  assert int(flag_value(vllm_args, "data-parallel-size")) * k.vllm.tp_size \
+      == k.vllm.gpus_per_node
+  assert server["resources"]["limits"][k.k8s.gpu_resource] == k.vllm.gpus_per_node
+  assert server["readinessProbe"]["httpGet"] == {"path": "/health", "port": k.vllm.port}
+  assert flag_value(relay["args"], "engine") == "vllm"
+  assert flag_value(relay["args"], "server") == f"http://127.0.0.1:{k.vllm.port}"
+  assert flag_value(relay["args"], "learner") == f"{learner0}:{k.learner.port}"
+  assert flag_value(relay["args"], "dir") == k.relay.dir
+  mount = lambda c: {m["name"] for m in c["volumeMounts"] if m["mountPath"] == k.relay.dir}  # noqa
+  assert mount(server) & mount(relay)  # the relay writes where the server reads
+  vols = {v["name"] for v in sts["template"]["spec"]["volumes"]}
+  assert "sglang-key" not in vols
+  for (_, name), pod in cs.items():  # secrets from env, never arguments
+    for ctr in pod.values():
+      argv = ctr["command"] + ctr.get("args", [])
+      assert not [x for x in argv if "$(" in x and ("TOKEN" in x or "KEY" in x)], name
+      env = {e["name"]: e.get("valueFrom", {}) for e in ctr.get("env", [])}
+      assert "SGLANG_API_KEY" not in env, name
+      if any(m in argv for m in ("launch.vllm_server", "launch.weight_relay",
+                                 "launch.worker")):
+        assert env["VLLM_API_KEY"]["secretKeyRef"] == key_ref, (name, ctr["name"])
+      if any(m in argv for m in ("launch.weight_relay", "launch.worker")):
+        assert env["FR_JAX_TOKEN"]["secretKeyRef"]["name"] == k.k8s.token_secret, name
+
+  # Workers: the pod's shell appends server (index mod vllm.nodes); run it as the kubelet
+  # would, against a stub python, for every index.
+  workers = by[("Job", f"{k.name}-workers")]["spec"]
+  assert workers["completions"] == workers["parallelism"] == k.workers.count
+  worker = cs[("Job", f"{k.name}-workers")]["worker"]
+  assert worker["command"][:2] == ["/bin/sh", "-c"]
+  assert worker["command"][3:] == [k.python, "-m", "launch.worker"]
+  log = tmp_path / "calls"
+  log.mkdir()
+  run_env = dict(ENV, PATH=f"{stubs(tmp_path / 'bin')}:{os.environ['PATH']}", CALLS=str(log),
+                 FR_JAX_TOKEN=TOKEN, VLLM_API_KEY=VKEY)
+  for i in range(k.workers.count):
+    pod_env = {"JOB_COMPLETION_INDEX": str(i)}
+    argv = [kubelet_expand(x, pod_env) for x in worker["command"] + worker["args"]]
+    r = subprocess.run(argv, env=dict(run_env, **pod_env), capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+  got = {}
+  for argv, token, key in calls(log, env=True, key_var="VLLM_API_KEY"):
+    module, a = module_args(argv)
+    assert module == "launch.worker" and (token, key) == (TOKEN, VKEY)
+    assert TOKEN not in " ".join(argv) and VKEY not in " ".join(argv)
+    assert flag_value(a, "config.rollout.engine") == "vllm"
+    assert flag_value(a, "learner") == f"{learner0}:{k.learner.port}"
+    got[int(flag_value(a, "worker_index"))] = flag_value(a, "config.rollout.server_url")
+  assert got == {i: f"http://{k.name}-vllm-{i % k.vllm.nodes}.{k.name}-vllm.{svc}:"
+                    f"{k.vllm.port}" for i in range(k.workers.count)}
+
+  policy = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "NetworkPolicy"}
+
+  def admits(target, port):
+    rules = policy[f"{k.name}-{target}"]["ingress"]
+    return sorted(f["podSelector"]["matchLabels"]["app"] for r in rules
+                  if {"port": port} in r["ports"] for f in r["from"])
+
+  # vLLM's weight routes do not check the key: the workers alone may reach the servers
+  assert admits("vllm", k.vllm.port) == [f"{k.name}-workers"]
+  assert admits("learner", k.learner.port) == [f"{k.name}-vllm", f"{k.name}-workers"]
+  assert set(policy) == {f"{k.name}-learner", f"{k.name}-vllm"}
+
+
+def vllm_commands(rendered_vllm, vllm_slurm_calls, module):
+  """The argument lists of `module` in the vLLM Slurm run and Kubernetes file (the workers'
+  shell wrapper unwrapped)."""
+  got = [a for m, a in filter(None, map(module_args, vllm_slurm_calls[1])) if m == module]
+  for cs in containers(k8s_docs(rendered_vllm)).values():
+    for c in cs.values():
+      argv = c["command"] + c.get("args", [])
+      if argv[:2] == ["/bin/sh", "-c"]:
+        argv = argv[3:]
+      if (m := module_args(argv)) and m[0] == module:
+        got.append(m[1])
+  assert len(got) == 2, (module, got)  # Slurm and Kubernetes
+  return got
+
+
+@pytest.mark.parametrize("module", ["launch.worker", "launch.weight_relay"])
+def test_vllm_our_flags_exist(rendered_vllm, vllm_slurm_calls, module):
+  defined = defined_flags(module)
+  for args in vllm_commands(rendered_vllm, vllm_slurm_calls, module):
+    names = {n for n in flag_names(args) if not n.startswith("config.")}
+    assert names <= defined, names - defined
+
+
+def test_vllm_server_flags_parse(rendered_vllm, vllm_slurm_calls):
+  """launch.vllm_server's absl flags (defined inside its main) parse every rendered command
+  line; with .venv-vllm, vLLM's own parser takes the whole server command line it builds."""
+  commands = vllm_commands(rendered_vllm, vllm_slurm_calls, "launch.vllm_server")
+  code = ("import json, sys\nfrom absl import flags\nfrom launch import common, vllm_server\n"
+          "def parse(argv):\n  rest = flags.FLAGS(argv)\n"
+          "  f = flags.FLAGS\n  print(json.dumps(vllm_server.server_command(\n"
+          "      f.model, host=f.host, port=f.port, dtype=f.dtype, python=f.python,\n"
+          "      max_model_len=f.max_model_len, extra=rest[1:])))\n  sys.exit(0)\n"
+          "common.parse_flags = parse\nvllm_server.main(sys.argv)\n")
+  servers = []
+  for args in commands:
+    r = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True,
+                       text=True, env=ENV, timeout=60)
+    assert r.returncode == 0, r.stderr
+    servers.append(json.loads(r.stdout))
+  assert servers[0] == servers[1]  # Slurm and Kubernetes start the same server
+  if not VLLM_PYTHON.exists():
+    pytest.skip("no .venv-vllm (make vllm-tools): vLLM's own parser not checked")
+  check = ("import sys\nfrom vllm.entrypoints.launchers.cli_args import make_arg_parser, "
+           "validate_parsed_serve_args\nfrom vllm.utils.argparse_utils import "
+           "FlexibleArgumentParser\nargs = make_arg_parser(FlexibleArgumentParser())"
+           ".parse_args(sys.argv[1:])\nvalidate_parsed_serve_args(args)\n"
+           "print(args.tensor_parallel_size, args.data_parallel_size, "
+           "args.gpu_memory_utilization)\n")
+  argv = servers[0]
+  assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+  r = subprocess.run([str(VLLM_PYTHON), "-c", check, *argv[3:]], capture_output=True,
+                     text=True, timeout=300, env=dict(ENV, VLLM_API_KEY=""))
+  assert r.returncode == 0, r.stderr[-2000:]
+  k = rendered_vllm[1]
+  assert r.stdout.split()[-3:] == [str(k.vllm.tp_size),
+                                   str(k.vllm.gpus_per_node // k.vllm.tp_size),
+                                   str(k.vllm.gpu_memory_utilization)]
+
+
+def test_vllm_ignores_the_sglang_sections(tmp_path):
+  """engine=vllm checks only what its files use: a bad router or SGLang field is no error."""
+  r = cli(f"--cluster={EXAMPLE}", "--target=all", f"--out={tmp_path}", "--cluster.engine=vllm",
+          "--cluster.router.port=70000", "--cluster.sglang.tp_size=3",
+          "--cluster.sglang_key_env=1BAD")
+  assert r.returncode == 0, r.stderr

@@ -21,6 +21,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -32,6 +33,7 @@ import pytest
 
 from experiments.benchmarks.vllm_mismatch import learner_logp, mismatch
 from fr_jax.models import decoder, hf_io, registry
+from fr_jax.rollout.embedded import EmbeddedEngine
 from fr_jax.rollout.engine import Request
 from fr_jax.rollout.http_engine import Reason
 from fr_jax.rollout.vllm import VLLMEngine, VLLMError
@@ -181,6 +183,36 @@ def test_learner_scoring_of_vllm_trajectories_passes_the_gate(engine):
   assert stats["D_max"] < 1e-6 and stats["rejected"] == 0, stats
 
 
+@pytest.mark.parametrize("method,path", [
+    ("POST", "/pause"), ("POST", "/resume"), ("POST", "/collective_rpc"),
+    ("POST", "/reset_prefix_cache"), ("POST", "/update_weight_version"),
+    ("GET", "/weight_info"), ("GET", "/server_info"), ("POST", "/abort_requests"),
+    ("POST", "/init_weight_transfer_engine"), ("POST", "/inference/v1/generate"),
+    ("GET", "/v1/models")])
+def test_every_route_but_health_needs_the_key(server, method, path):
+  """A client without the key is refused (401) on every route the server has, the weight
+  and pause routes included: vLLM 0.32 checks its --api-key only under /v1, /v2, /inference
+  and /cohere, so /pause, /collective_rpc (reload_weights from any path) and the rest were
+  open to anyone who could reach the port. /health stays open for liveness probes."""
+  import urllib.error
+  import urllib.request
+  body = json.dumps({"method": "reload_weights", "kwargs": {"weights_path": "/nonexistent"}}
+                    if path == "/collective_rpc" else {}).encode()
+  req = urllib.request.Request(server.url + path, data=body if method == "POST" else None,
+                               method=method, headers={"Content-Type": "application/json"})
+  with pytest.raises(urllib.error.HTTPError) as err:
+    urllib.request.urlopen(req, timeout=30)
+  assert err.value.code == 401, (path, err.value.code)
+  with urllib.request.urlopen(server.url + "/health", timeout=30) as r:
+    assert r.status == 200
+  e = VLLMEngine(server.url, api_key=KEY, retries=0)
+  try:
+    assert e.health() and e.served_version() is not None or e.served_version() is None
+    e.http.call("/weight_info", method="GET")  # the key opens it
+  finally:
+    e.close()
+
+
 def test_abort_returns_the_partial_tokens(engine):
   """should_abort ends the request on the server (by its request id): the completion keeps
   the tokens sampled so far, finish reason abort."""
@@ -269,8 +301,8 @@ def test_an_update_mid_generation_labels_every_token(server, mode):
 def test_the_relay_delivers_versions_and_the_server_serves_exactly_them(server, tmp_path):
   """Learner -> relay -> vLLM: each published version is fetched, written and loaded, the
   server reports it (/weight_info), and its greedy completions are that version's, token by
-  token (the learner's scoring on those weights). A bad path is refused before the server
-  is asked (vLLM 0.32 stops when a reload fails)."""
+  token (the learner's scoring on those weights, and the embedded engine's greedy tokens). A
+  bad path is refused before the server is asked (vLLM 0.32 stops when a reload fails)."""
   service = PublishedWeights()
   service.publish(1, params_of(1))
   grpc_server, port = srv.serve(service)
@@ -295,6 +327,11 @@ def test_the_relay_delivers_versions_and_the_server_serves_exactly_them(server, 
       for p, c in zip(PROMPTS, comps):
         assert c.versions == [v] * 16
         check_versions(c, p, {v: params_of(seed)}, greedy=True)
+      # and the embedded engine on the same weights, greedy: the same tokens
+      emb = EmbeddedEngine(CFG, params_of(seed), num_slots=4, max_len=64)
+      ref = emb.generate([Request(f"e{v}{i}", p, max_new_tokens=16, temperature=0.0)
+                          for i, p in enumerate(PROMPTS)])
+      assert [c.token_ids for c in comps] == [c.token_ids for c in ref]
     with pytest.raises(VLLMError) as err:
       e.update_weights(tmp_path / "missing", 3)
     assert err.value.reason is Reason.REFUSED and e.health()
@@ -481,6 +518,23 @@ def test_nccl_weight_transfer_requests_parse_as_vllms_own_types(tmp_path):
   assert by_path["/pause"][1] == "mode=keep" and e.version == 7
   # each broadcast ran while its route was open (the route had arrived, not yet answered)
   assert [o[1][-1] for o in order] == ["/init_weight_transfer_engine", "/update_weights"]
+
+
+@pytest.mark.parametrize("args,env,needle", [
+    ([], {}, "export VLLM_API_KEY"),
+    (["--kv_cache_gib=0"], {"VLLM_API_KEY": "k"}, "--kv_cache_gib=0"),
+    (["--model=no-such-model"], {"VLLM_API_KEY": "k"}, "--model=no-such-model"),
+])
+def test_vllm_server_flag_problems_are_one_line(tmp_path, args, env, needle):
+  """launch.vllm_server refuses a missing key, a bad flag or an unknown model with one line
+  and exit status 2, before anything starts."""
+  base = {k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"}
+  out = subprocess.run([sys.executable, "-m", "launch.vllm_server",
+                        f"--export_dir={tmp_path}", *args], capture_output=True, text=True,
+                       env=base | env | {"JAX_PLATFORMS": "cpu"}, timeout=120, cwd=ROOT)
+  assert out.returncode == 2, out.stderr[-2000:]
+  last = out.stderr.strip().splitlines()[-1]
+  assert last.startswith("error:") and needle in last, last
 
 
 def test_routing_replay_through_vllm_is_refused_at_start():

@@ -1,6 +1,6 @@
 """Shared by the tests: the tiny learner config and its synthetic batches, the tiny_test run
-config, synthetic records whose ids follow the `producer/seq` rule, and routing-replay data
-for them."""
+config, synthetic records whose ids follow the `producer/seq` rule, routing-replay data for
+them, and the learner's side as lists for a worker (`Collect`) and a gateway (`Recorder`)."""
 
 import functools
 import math
@@ -115,3 +115,35 @@ def teacher_forced(params, cfg, prompt, out, temperature, pad_to=64):
   z = np.asarray(_logits(params, cfg, tokens), np.float64)[0, :n] / temperature
   lp = log_softmax(z, -1)[np.arange(n), seq[1:]]
   return lp[len(prompt) - 1:]
+
+
+class Collect:
+  """The learner's side for a worker (records and heartbeats), in the test's process."""
+
+  def __init__(self):
+    self.got, self.heartbeats = [], 0
+
+  def heartbeat(self, stats):
+    self.heartbeats += 1
+    return {"version": 0, "hf_dir": "", "shutdown": False}
+
+  def push(self, traj, stop):
+    self.got.append(traj)
+
+
+class Recorder:
+  """The learner side as a list (the gateway's client interface): push keeps each record;
+  no heartbeats, no weights."""
+
+  def __init__(self):
+    self.got = []
+
+  def push(self, t, stop=None):
+    self.got.append(t)
+    return True, "admitted"
+
+  def heartbeat(self, stats):
+    return None
+
+  def get_weights(self, v):
+    return None

@@ -215,17 +215,23 @@ def test_bash_n(rendered, name):
   assert r.returncode == 0, r.stderr
 
 
+def sbatch_components(text):
+  """The #SBATCH directives of each heterogeneous component, split at `hetjob`."""
+  parts = [[]]
+  for line in text.splitlines():
+    if line.startswith("#SBATCH"):
+      d = line.split(None, 1)[1]
+      if d == "hetjob":
+        parts.append([])
+      else:
+        parts[-1].append(d)
+  return parts
+
+
 def test_slurm_components_match_config(rendered):
   out, k, _ = rendered
   text = (out / "slurm.sbatch").read_text()
-  directives = [line.split(None, 1)[1] for line in text.splitlines()
-                if line.startswith("#SBATCH")]
-  parts = [[]]
-  for d in directives:
-    if d == "hetjob":
-      parts.append([])
-    else:
-      parts[-1].append(d)
+  parts = sbatch_components(text)
   assert len(parts) == 3
   opts = [dict(d.split("=", 1) for d in part if "=" in d) for part in parts]
   assert opts[0]["--nodes"] == str(k.learner.nodes)
@@ -681,14 +687,7 @@ def test_vllm_renders_without_secrets(rendered_vllm):
 
 def test_vllm_slurm_components_match_config(rendered_vllm):
   out, k, _ = rendered_vllm
-  directives = [line.split(None, 1)[1] for line in (out / "slurm.sbatch").read_text()
-                .splitlines() if line.startswith("#SBATCH")]
-  parts = [[]]
-  for d in directives:
-    if d == "hetjob":
-      parts.append([])
-    else:
-      parts[-1].append(d)
+  parts = sbatch_components((out / "slurm.sbatch").read_text())
   opts = [dict(d.split("=", 1) for d in part if "=" in d) for part in parts]
   assert len(opts) == 3
   assert opts[1]["--nodes"] == str(k.vllm.nodes)

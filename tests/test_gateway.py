@@ -30,6 +30,7 @@ from fr_jax.rollout.gateway import Gateway, GatewayConfig, GatewayError, common_
 from fr_jax.rollout.openai_http import GatewayServer
 from fr_jax.transport.client import LocalClient
 from tests import XLA_TEST_FLAGS
+from tests.helpers import Recorder
 
 KEY = "test-key"
 LEN = 1024  # tokens per record: the byte-level tokenizer spends one per character
@@ -37,24 +38,6 @@ LEN = 1024  # tokens per record: the byte-level tokenizer spends one per charact
 # spends a token per character, and the warm start's cost grows with the conversation.
 TOOL = [{"type": "function", "function": {"name": "python"}}]
 SYSTEM = tool_formats.describe("hermes", TOOL)  # what the gateway writes for it
-
-
-class Recorder:
-  """The learner side as a list (the gateway's client interface): push keeps each record;
-  no heartbeats, no weights."""
-
-  def __init__(self):
-    self.got = []
-
-  def push(self, t, stop=None):
-    self.got.append(t)
-    return True, "admitted"
-
-  def heartbeat(self, stats):
-    return None
-
-  def get_weights(self, v):
-    return None
 
 
 def _conversation(x, y):

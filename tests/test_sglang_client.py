@@ -507,20 +507,6 @@ def test_the_real_sglang_router_drops_routing_and_is_refused(served_r3, tmp_path
     router.wait(30)
 
 
-class _Collect:
-  """The learner's side for a worker (records and heartbeats), in the test's process."""
-
-  def __init__(self):
-    self.got, self.heartbeats = [], 0
-
-  def heartbeat(self, stats):
-    self.heartbeats += 1
-    return {"version": 0, "hf_dir": "", "shutdown": False}
-
-  def push(self, traj, stop):
-    self.got.append(traj)
-
-
 def test_a_worker_rides_out_a_server_restart(tiny_model, monkeypatch):
   """The server goes away mid-generation (its answers never come: a timeout) and comes back
   on the same port a second later: the worker, built as launch.worker builds it, backs off,
@@ -535,7 +521,7 @@ def test_a_worker_rides_out_a_server_restart(tiny_model, monkeypatch):
   server = StandInSGLang(tiny_model, num_slots=4, max_len=max_len, api_key="k", step_delay=0.02)
   port = int(server.url.rsplit(":", 1)[1])
   c.rollout.server_url = server.url
-  client, stop, errors = _Collect(), threading.Event(), []
+  client, stop, errors = helpers.Collect(), threading.Event(), []
   w = system.build_worker(c, client, tiny_model, index=0, num_shards=1)
 
   def run():
@@ -578,7 +564,7 @@ def test_a_task_the_server_always_refuses_is_skipped_after_three_attempts(tiny_m
   server = StandInSGLang(tiny_model, num_slots=4, max_len=64)  # every prompt is too long
   c = helpers.cfg(**{"rollout.engine": "sglang", "rollout.server_url": server.url,
                      "rollout.inflight": 1})
-  client, stop = _Collect(), threading.Event()
+  client, stop = helpers.Collect(), threading.Event()
   w = system.build_worker(c, client, tiny_model, index=0, num_shards=1)
   w.backoff_min_s = w.backoff_max_s = 0.05
   t = threading.Thread(target=w.run, args=(stop,))

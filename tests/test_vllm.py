@@ -351,21 +351,7 @@ def test_the_gateway_records_vllms_tokens_exactly(engine):
 
   from fr_jax.rollout.gateway import Gateway, GatewayConfig
   from fr_jax.rollout.openai_http import GatewayServer
-
-  class Recorder:
-    def __init__(self):
-      self.got = []
-
-    def push(self, t, stop=None):
-      self.got.append(t)
-      return True, "admitted"
-
-    def heartbeat(self, stats):
-      return None
-
-    def get_weights(self, v):
-      return None
-
+  from tests.helpers import Recorder
   tok, rec = registry.load("tiny-chat").tokenizer, Recorder()
   gw = Gateway(engine, tok, rec, GatewayConfig(max_new_tokens=12, weights=engine.weight_format),
                engine_errors=engine.errors, serial_engine=False, follow_weights=False)
@@ -608,19 +594,7 @@ def test_a_worker_completes_episodes_and_rides_out_a_server_kill(server, tiny_mo
                      "rollout.server_timeout_s": 10.0, "rollout.inflight": 2,
                      "model.name": NAME})
   model = registry.load(NAME)
-
-  class Collect:
-    def __init__(self):
-      self.got, self.heartbeats = [], 0
-
-    def heartbeat(self, stats):
-      self.heartbeats += 1
-      return {"version": 0, "hf_dir": "", "shutdown": False}
-
-    def push(self, traj, stop):
-      self.got.append(traj)
-
-  client, stop, errors = Collect(), threading.Event(), []
+  client, stop, errors = helpers.Collect(), threading.Event(), []
   w = system.build_worker(c, client, model, index=0, num_shards=1)
   w.backoff_min_s, w.backoff_max_s = 0.2, 2.0
 

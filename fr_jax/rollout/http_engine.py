@@ -27,8 +27,10 @@ back and carries a `Reason`.
 
 from __future__ import annotations
 
+import concurrent.futures
 import enum
 import json
+import threading
 
 import requests
 from requests.adapters import HTTPAdapter
@@ -152,3 +154,33 @@ class HTTPClient:
 
   def close(self):
     self.session.close()
+
+
+class ServerEngine:
+  """What the engines that run as servers share: the `Engine` protocol's attributes, an
+  `HTTPClient`, a pool of generate threads and the lock that keeps a weight update whole.
+  Subclasses set `error` (their `EngineError`), `errors`, `api_key_env`, `prepare_weights`
+  (what a relay does to a version directory first, or None) and `reports_routing`."""
+  weight_format = "hf"  # update_weights takes an HF safetensors directory
+  rides_out = staticmethod(rides_out)  # a load that failed without an answer: try again
+  error: type[EngineError] = EngineError
+
+  def __init__(self, base_url: str, *, timeout: float = 600.0, connect_timeout: float = 10.0,
+               max_concurrency: int = 64, api_key: str | None = None,
+               max_resumes: int = 8, version: int = 0, retries: int = 4,
+               backoff: float = 1.0, model_config=None):
+    self.http = HTTPClient(base_url, self.error, timeout=timeout,
+                           connect_timeout=connect_timeout, max_concurrency=max_concurrency,
+                           api_key=api_key, retries=retries, backoff=backoff)
+    self.base_url, self.timeout = self.http.base_url, timeout
+    self.max_resumes, self.version, self.model_config = max_resumes, version, model_config
+    self._pool = concurrent.futures.ThreadPoolExecutor(
+        max_workers=max_concurrency, thread_name_prefix=type(self).__name__)
+    self._lock = threading.Lock()
+
+  def health(self) -> bool:
+    return self.http.healthy()
+
+  def close(self):
+    self._pool.shutdown(wait=False, cancel_futures=True)
+    self.http.close()

@@ -51,9 +51,7 @@ and behind the real sglang-router (`tests/test_weight_relay.py`).
 from __future__ import annotations
 
 import base64
-import concurrent.futures as cf
 import contextlib
-import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -61,7 +59,7 @@ import numpy as np
 
 from fr_jax.models.config import ModelConfig
 from fr_jax.rollout.engine import FINISH, Completion, Request
-from fr_jax.rollout.http_engine import EngineError, HTTPClient, Reason, rides_out
+from fr_jax.rollout.http_engine import EngineError, Reason, ServerEngine
 
 __all__ = ["R3_FLAG", "Reason", "SGLangEngine", "SGLangError"]
 
@@ -74,38 +72,24 @@ class SGLangError(EngineError):
   """A failed call to an SGLang server or router (`reason`: which kind)."""
 
 
-class SGLangEngine:
-  weight_format = "hf"  # update_weights takes an HF safetensors directory
+class SGLangEngine(ServerEngine):
+  error = SGLangError
   errors = (SGLangError,)  # what a worker rides out (a server down, restarting, refusing)
   api_key_env = "SGLANG_API_KEY"
-  rides_out = staticmethod(rides_out)  # a load that failed without an answer: try again
   prepare_weights = None  # SGLang loads a relay's version directory as it is written
   reports_routing = True  # routing replay (R3), with the server's flag on
 
-  def __init__(self, base_url: str, *, timeout: float = 600.0, connect_timeout: float = 10.0,
-               max_concurrency: int = 64, api_key: str | None = None,
-               max_resumes: int = 8, version: int = 0, retries: int = 4,
-               backoff: float = 1.0, model_config: ModelConfig | None = None):
+  def __init__(self, base_url: str, *, model_config: ModelConfig | None = None, **kw):
     """`model_config`: the served model's, needed for routing replay only (which of SGLang's
-    per-layer rows are the sparse layers', k, and the compact dtype)."""
-    self.http = HTTPClient(base_url, SGLangError, timeout=timeout,
-                           connect_timeout=connect_timeout, max_concurrency=max_concurrency,
-                           api_key=api_key, retries=retries, backoff=backoff)
-    self.base_url, self.timeout = self.http.base_url, timeout
-    self.max_resumes = max_resumes
-    self.version = version
-    self.model_config = model_config
+    per-layer rows are the sparse layers', k, and the compact dtype). `kw`: `ServerEngine`'s
+    (timeout, connect_timeout, max_concurrency, api_key, max_resumes, version, retries,
+    backoff)."""
+    super().__init__(base_url, model_config=model_config, **kw)
     self._routing_checked = False  # /server_info said the R3 flag is on, or did not say
-    self._pool = cf.ThreadPoolExecutor(max_workers=max_concurrency,
-                                       thread_name_prefix="sglang")
-    self._lock = threading.Lock()
 
   # --- HTTP ---
   def _call(self, path: str, payload: dict | None = None, method: str = "POST"):
     return self.http.call(path, payload, method)
-
-  def health(self) -> bool:
-    return self.http.healthy()
 
   # --- generation ---
   @staticmethod
@@ -296,6 +280,3 @@ class SGLangEngine:
     except (TypeError, ValueError):
       return None
 
-  def close(self):
-    self._pool.shutdown(wait=False, cancel_futures=True)
-    self.http.close()

@@ -58,14 +58,13 @@ import concurrent.futures as cf
 import contextlib
 import json
 import math
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from fr_jax.models.hf_io import untie_head
 from fr_jax.rollout.engine import FINISH, Completion, Request
-from fr_jax.rollout.http_engine import EngineError, HTTPClient, Reason, rides_out
+from fr_jax.rollout.http_engine import EngineError, Reason, ServerEngine
 
 __all__ = ["VLLMEngine", "VLLMError", "Reason", "SERVER_FLAGS", "SERVER_ENV"]
 
@@ -87,36 +86,24 @@ class VLLMError(EngineError):
   """A failed call to a vLLM server (`reason`: which kind)."""
 
 
-class VLLMEngine:
-  weight_format = "hf"  # update_weights takes an HF safetensors directory
+class VLLMEngine(ServerEngine):
+  error = VLLMError
   errors = (VLLMError,)  # what a worker rides out (a server down, restarting, refusing)
   api_key_env = "VLLM_API_KEY"
-  rides_out = staticmethod(rides_out)  # a load that failed without an answer: try again
   # What a weight relay does to each version directory before this engine loads it: the LM
   # head untied (module docstring).
   prepare_weights = staticmethod(untie_head)
   reports_routing = False  # no routing replay (module docstring)
 
-  def __init__(self, base_url: str, *, timeout: float = 600.0, connect_timeout: float = 10.0,
-               max_concurrency: int = 64, api_key: str | None = None,
-               max_resumes: int = 8, version: int = 0, retries: int = 4,
-               backoff: float = 1.0, model_config=None, pause_mode: str = "keep"):
+  def __init__(self, base_url: str, *, pause_mode: str = "keep", **kw):
     """`pause_mode`: what a weight update does with requests in flight (module docstring).
-    `model_config` is accepted for the factory's sake; routing replay is refused."""
+    `kw`: `ServerEngine`'s (timeout, connect_timeout, max_concurrency, api_key, max_resumes,
+    version, retries, backoff, model_config: accepted, routing replay is refused)."""
     if pause_mode not in PAUSE_MODES:
       raise ValueError(f"pause_mode={pause_mode!r}: choose one of {PAUSE_MODES}")
-    self.http = HTTPClient(base_url, VLLMError, timeout=timeout,
-                           connect_timeout=connect_timeout, max_concurrency=max_concurrency,
-                           api_key=api_key, retries=retries, backoff=backoff)
-    self.base_url = self.http.base_url
-    self.max_resumes, self.version, self.pause_mode = max_resumes, version, pause_mode
-    self.model_config = model_config
+    super().__init__(base_url, **kw)
+    self.pause_mode = pause_mode
     self._checked = False  # the server reports processed log-probs (measured once)
-    self._pool = cf.ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="vllm")
-    self._lock = threading.Lock()
-
-  def health(self) -> bool:
-    return self.http.healthy()
 
   # --- generation ---
   @staticmethod
@@ -351,6 +338,3 @@ class VLLMEngine:
     except (TypeError, ValueError):
       return None
 
-  def close(self):
-    self._pool.shutdown(wait=False, cancel_futures=True)
-    self.http.close()

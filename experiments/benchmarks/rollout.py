@@ -188,8 +188,8 @@ def case_vllm(summary):
         rates[B] = n_gen / med
         emit("generate", impl="vllm", dtype=dtype, batch=B, new_tokens=N,
              median_s=round(med, 3), all_s=[round(t, 3) for t in ts],
-             tokens_per_s=round(n_gen / med, 1), server_ready_s=round(ready, 1),
-             ttft_median_s=round(statistics.median(c.ttft_s for c in outs[-1]), 4))
+             tokens_per_s=round(n_gen / med, 1), server_ready_s=round(ready, 1))
+        # (no time to first token: a request's tokens come back together, not streamed)
       # a weight update as the relay makes it: pause, in-place reload, cache reset, resume
       med_u, ts_u = timed(lambda e=eng: e.update_weights(model_dir, 1), F.repeats, warmup=1)
       emit("update_weights", impl="vllm", dtype=dtype, median_s=round(med_u, 3),

@@ -23,13 +23,15 @@ import pytest
 from experiments import sglang_api_check as chk
 
 ROOT = Path(__file__).resolve().parents[1]
-CLIENT = ROOT / "fr_jax/rollout/sglang.py"
-RELAYS = (ROOT / "launch/weight_relay.py", ROOT / "fr_jax/transport/relay.py")
+# The SGLang client and the HTTP code it shares with the vLLM engine.
+CLIENT = (ROOT / "fr_jax/rollout/sglang.py", ROOT / "fr_jax/rollout/http_engine.py")
+RELAYS = (ROOT / "launch/weight_relay.py", ROOT / "fr_jax/transport/relay.py",
+          ROOT / "fr_jax/transport/weights_spec.py")
 ROUTE = re.compile(r"^/[a-z_]+$")
 NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 # Lower-case identifier-like strings in the client that are not SGLang's API.
-NOT_API = {"sglang",   # the client's thread-name prefix
-           "replace"}  # bytes.decode(errors="replace") on an error body
+NOT_API = {"replace",  # bytes.decode(errors="replace") on an error body
+           "hf"}  # the engines' weight_format (an HF directory)
 
 
 def code_strings(path):
@@ -54,7 +56,7 @@ def table_strings():
 
 
 def test_table_names_every_route_and_field_the_client_uses():
-  strings = code_strings(CLIENT)
+  strings = set().union(*(code_strings(p) for p in CLIENT))
   routes = {s for s in strings if ROUTE.match(s)}
   names = {s for s in strings if NAME.match(s)}
   assert routes >= {"/generate", "/update_weights_from_disk"}, routes  # the scan sees them

@@ -265,7 +265,9 @@ def check_versions(c, prompt, params_by_version, greedy: bool):
   for v in set(c.versions):
     lp_all = learner_logp(params_by_version[v], CFG, prompt, c.token_ids, 1.0)
     idx = [i for i, x in enumerate(c.versions) if x == v]
-    np.testing.assert_allclose(np.asarray(c.logprobs)[idx], lp_all[idx], atol=1e-3,
+    # numerics differ by up to ~1e-3 (a resumed request's long prefill, batch composition:
+    # 1.3e-3 seen once in CI); the two versions' log-probs differ by nats
+    np.testing.assert_allclose(np.asarray(c.logprobs)[idx], lp_all[idx], atol=5e-3,
                                err_msg=f"version {v}")
     if greedy:
       assert_argmax(params_by_version[v], prompt, c.token_ids, idx)

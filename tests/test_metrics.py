@@ -135,7 +135,16 @@ def test_token_trust_metrics_count_the_tokens_the_loss_admitted(tmp_path):
   independent scoring), not over the tokens of records with no gated token."""
   model = registry.load("tiny-llama")
   trajs, lp, blogp, mask, d = _shifted_batch(model)
-  delta = float(np.median(np.concatenate(d)))  # about half the tokens pass
+  # About half the tokens pass: delta in the widest relative gap between neighbouring d's of
+  # the middle half, above the unshifted records' float noise (|d| < 1e-15), so no token sits
+  # near the threshold (at the median, 1.178e-4, two tokens did, and the learner's float32
+  # d_it put one on the other side).
+  s = np.sort(np.concatenate(d))
+  lo, hi = len(s) // 4, 3 * len(s) // 4
+  ratio = np.where(s[lo:hi] > 1e-9, s[lo + 1:hi + 1] / np.maximum(s[lo:hi], 1e-30), 0)
+  i = lo + int(np.argmax(ratio))
+  assert s[i + 1] > 2 * s[i]
+  delta = float(np.sqrt(s[i] * s[i + 1]))
   learner = Learner(tiny_config(**{"objective.delta": delta, "objective.trust": "token",
                                    "log.dir": str(tmp_path)}), model=model)
   m = learner.update(trajs, lags=[0] * 8)

@@ -1,8 +1,9 @@
 """Qwen3-MoE against transformers' PyTorch Qwen3-MoE and against NumPy: checkpoints saved by
 transformers imported (logits and routing, both expert paths), fr_jax's export exact on
-re-import and loadable by transformers, the ragged path's gradients equal to the dense
-reference's, the load-balancing loss equal to transformers' `load_balancing_loss_func` (and
-to a NumPy recomputation that leaves padding out), and routing replay's gate weights."""
+re-import and loadable by transformers, the grouped paths' gradients (ragged_dot, gmm) equal
+to the dense reference's, the load-balancing loss equal to transformers'
+`load_balancing_loss_func` (and to a NumPy recomputation that leaves padding out), and
+routing replay's gate weights."""
 
 import functools
 
@@ -265,10 +266,10 @@ def test_registry_moe_models():
 
 # --- gradients -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("replay", [False, True])
-def test_ragged_gradients_equal_dense(replay):
+@pytest.mark.parametrize("replay,impl", [(False, "ragged"), (True, "ragged"), (True, "gmm")])
+def test_grouped_gradients_equal_dense(replay, impl):
   """On a 2-layer model (layer 0 dense, layer 1 sparse: both stacks, and little to
-  compile)."""
+  compile). gmm: fr_jax.models.gmm's kernels in Pallas interpret mode."""
   cfg = model_config("mlp_only").replace(num_layers=2, mlp_only_layers=(0,))
   params = jax.tree.map(jnp.asarray, random_params(cfg, seed=2))
   rng = np.random.default_rng(3)
@@ -288,15 +289,14 @@ def test_ragged_gradients_equal_dense(replay):
     return jnp.sum(decoder.logits_from_hidden(p, c, h) * w) + 10.0 * r.balance
 
   grad = jax.jit(jax.grad(loss), static_argnums=1)
-  grads = {impl: leaves(grad(params, cfg.replace(moe_impl=impl)))
-           for impl in ("dense", "ragged")}
+  grads = {i: leaves(grad(params, cfg.replace(moe_impl=i))) for i in ("dense", impl)}
   worst = 0.0
   for k, want in grads["dense"].items():
-    rel = np.abs(grads["ragged"][k] - want).max() / np.abs(want).max()
+    rel = np.abs(grads[impl][k] - want).max() / np.abs(want).max()
     worst = max(worst, rel)
     assert rel <= 1e-5, (k, rel)
   assert np.abs(grads["dense"]["['moe']['router']"]).max() > 0
-  print(f"\nreplay={replay}: worst relative gradient diff ragged vs dense {worst:.2e}")
+  print(f"\nreplay={replay}: worst relative gradient diff {impl} vs dense {worst:.2e}")
 
 
 # --- the load-balancing loss ---------------------------------------------------------------------

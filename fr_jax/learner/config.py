@@ -41,8 +41,9 @@ def default_config() -> ml_collections.ConfigDict:
       # flash above). Flash kernels keep
       # attention memory linear in the row length.
       attention="auto",
-      # MoE models: ragged (grouped experts, jax.lax.ragged_dot), dense (every expert on every
-      # token: the reference) or auto (ragged). How, not what.
+      # MoE models: ragged (grouped experts, jax.lax.ragged_dot), gmm (grouped experts,
+      # fr_jax.models.gmm's Pallas-Triton kernels), dense (every expert on every token: the
+      # reference) or auto (gmm when compiled for a GPU, else ragged). How, not what.
       moe_impl="auto",
       seed=0,  # init seed for random (tiny) models
       # the registry SHAPES entry of this model's architecture: `launch.compile_check`

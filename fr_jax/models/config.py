@@ -13,10 +13,12 @@ FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("auto", "naive", "flash", "pallas_gpu", "splash_tpu")
 # How an MoE layer computes its experts (not what): "ragged" groups the tokens by expert and
-# runs `jax.lax.ragged_dot` (each token pays for its k experts only); "dense" runs every expert
-# on every token and weights the unselected ones by zero (E/k times the work: tests, tiny
-# models); "auto" is "ragged".
-MOE_IMPLS = ("auto", "ragged", "dense")
+# runs `jax.lax.ragged_dot` (each token pays for its k experts only); "gmm" groups them the
+# same way and runs fr_jax.models.gmm's Pallas-Triton kernels (Pallas interpret mode off a
+# GPU); "dense" runs every expert on every token and weights the unselected ones by zero (E/k
+# times the work: tests, tiny models); "auto" is "gmm" where the program is compiled for a GPU
+# (XLA:GPU expands ragged_dot densely) and "ragged" elsewhere, decided at lowering.
+MOE_IMPLS = ("auto", "ragged", "gmm", "dense")
 
 
 class ConfigError(ValueError):
@@ -69,7 +71,7 @@ class ModelConfig:
   norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
   decoder_sparse_step: int = 1
   mlp_only_layers: tuple[int, ...] = ()
-  moe_impl: str = "auto"  # auto | ragged | dense (MOE_IMPLS): how, not what
+  moe_impl: str = "auto"  # auto | ragged | gmm | dense (MOE_IMPLS): how, not what
   # The mesh axis the caller splits expert stacks over (None: not split); how, not what.
   expert_shard_axis: str | None = None
 

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from fr_jax.models import gmm
 from fr_jax.models.config import ModelConfig
 
 F32 = jnp.float32
@@ -47,11 +48,27 @@ def _experts_dense(cfg: ModelConfig, x, mp, idx, w):
   return jnp.einsum("ble,bled->bld", combine, y)
 
 
-def _experts_ragged(cfg: ModelConfig, x, mp, idx, w):
+def _ragged_dot(lhs, rhs, sizes):
+  return jax.lax.ragged_dot(lhs, rhs, sizes, preferred_element_type=F32)
+
+
+def _auto_dot(lhs, rhs, sizes):
+  """The grouped kernel where the program is lowered for a GPU (XLA:GPU expands `ragged_dot`
+  densely: docs/scale.md, "GPUs"), `ragged_dot` elsewhere (TPU and CPU lower it grouped)."""
+  return jax.lax.platform_dependent(lhs, rhs, sizes, cuda=gmm.gmm, rocm=gmm.gmm,
+                                    default=_ragged_dot)
+
+
+GROUPED = {"ragged": _ragged_dot, "gmm": gmm.gmm, "auto": _auto_dot}
+
+
+def _experts_grouped(cfg: ModelConfig, x, mp, idx, w):
   """Each (position, chosen expert) pair once: the pairs are sorted by expert and every
-  expert multiplies its contiguous group (`jax.lax.ragged_dot`), then the outputs go back to
+  expert multiplies its contiguous group (the grouped matmul `cfg.moe_impl` names:
+  `jax.lax.ragged_dot`, or `fr_jax.models.gmm`'s kernels), then the outputs go back to
   their positions and are summed with the gate weights."""
   cd = jnp.dtype(cfg.compute_dtype)
+  matmul = GROUPED[cfg.moe_impl]
   B, L, D = x.shape
   k = idx.shape[-1]
   flat = idx.reshape(-1)
@@ -60,7 +77,7 @@ def _experts_ragged(cfg: ModelConfig, x, mp, idx, w):
   sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
 
   def grouped(lhs, w):
-    return jax.lax.ragged_dot(lhs, w.astype(cd), sizes, preferred_element_type=F32)
+    return matmul(lhs, w.astype(cd), sizes)
 
   a = jax.nn.silu(grouped(xs, mp["experts_gate"])) * grouped(xs, mp["experts_up"])
   ys = grouped(a.astype(cd), mp["experts_down"])
@@ -78,10 +95,10 @@ def _experts(cfg: ModelConfig, x, mp, idx, w):
   it over `cfg.expert_shard_axis` when the caller splits them there on the expert axis (their
   gradient comes back reduce-scattered). Left to GSPMD, the sort over all positions would
   gather every device's tokens onto every device (docs/scale.md, "Experts on the mesh")."""
-  impl = "ragged" if cfg.moe_impl == "auto" else cfg.moe_impl
-  fn = _experts_ragged if impl == "ragged" else _experts_dense
+  grouped = cfg.moe_impl != "dense"
+  fn = _experts_grouped if grouped else _experts_dense
   mesh = jax.sharding.get_abstract_mesh()
-  if impl != "ragged" or mesh.empty or mesh.size == 1 or x.shape[0] % mesh.size:
+  if not grouped or mesh.empty or mesh.size == 1 or x.shape[0] % mesh.size:
     return fn(cfg, x, mp, idx, w)
   P = jax.sharding.PartitionSpec
   rows = P(tuple(mesh.axis_names))

@@ -62,8 +62,7 @@ def tiles(group_sizes, m: int, tm: int):
   G = group_sizes.shape[0]
   sizes = group_sizes.astype(jnp.int32)
   sizes = jnp.concatenate([sizes, jnp.maximum(m - jnp.sum(sizes), 0)[None]])
-  ends = jnp.cumsum(sizes)
-  starts = ends - sizes
+  starts, ends = group_bounds(sizes)
   per_group = _cdiv(sizes, tm)
   tile_end = jnp.cumsum(per_group)
   t = jnp.arange(num_tiles(m, G, tm), dtype=jnp.int32)

@@ -102,7 +102,7 @@ def load_model(c):
   off for a learner mesh of several CPU devices (`compile_cache.off_for_cpu_mesh`)."""
   from fr_jax import compile_cache
   from fr_jax.models import registry
-  compile_cache.off_for_cpu_mesh(c.mesh.data * c.mesh.fsdp)
+  compile_cache.off_for_cpu_mesh(c.mesh.data * c.mesh.fsdp * c.mesh.get("expert", 1))
   try:
     return registry.load_configured(c.model)
   except (registry.ModelNotFound, registry.CheckpointError, FileNotFoundError) as e:

@@ -16,11 +16,12 @@ only: no weight is materialised, so a 7B recipe compiles on a laptop. The model'
 from `model.shapes` (a registry SHAPES entry) or the checkpoint's config.json. A GPU topology
 is `KIND-GPUS` (one node) or `KIND-NODESxGPUS`, KIND one of `GPU_KINDS`: h100-8, a100-80g-2x8.
 
-The mesh: the recipe's (data, fsdp) when the topology has data*fsdp devices; otherwise fsdp
-is kept if it divides the device count (else it becomes the device count) and data takes the
-rest. The micro-batch is `--rows_per_device` packed rows of `packing.row_len` tokens per
-device (default: the recipe's largest row bucket spread over its own mesh, the largest
-micro-batch the learner can be handed), whose LM head scores the head bucket that holds rows
+The mesh: the recipe's (data, fsdp) when the topology has data*fsdp*expert devices; otherwise
+fsdp is kept if it divides the devices left after `mesh.expert` (else it becomes that count)
+and data takes the rest. `--config.mesh.expert=8` (MoE models) adds expert parallelism.
+The micro-batch is `--rows_per_device` packed rows of `packing.row_len` tokens per device
+(default: the recipe's largest row bucket spread over its own mesh, the largest micro-batch
+the learner can be handed), whose LM head scores the head bucket that holds rows
 with `--action_fraction` of their positions actions (1: every position; `fr_jax.packing`).
 
 Prints one JSON line: per-device memory (arguments, outputs, temporaries, generated code,
@@ -209,8 +210,16 @@ flags.DEFINE_bool("list", False, "print the known topologies and exit")
 FLAGS = flags.FLAGS
 
 
-def fit_mesh(data: int, fsdp: int, n: int) -> tuple[int, int]:
-  """The recipe's mesh on n devices (see the module docstring)."""
+class MeshError(ValueError):
+  """The recipe's mesh cannot be laid on the topology."""
+
+
+def fit_mesh(data: int, fsdp: int, n: int, expert: int = 1) -> tuple[int, int]:
+  """The recipe's (data, fsdp) on n devices, `expert` of them per expert group (see the
+  module docstring)."""
+  if n % expert:
+    raise MeshError(f"mesh.expert={expert} does not divide the topology's {n} devices")
+  n //= expert
   if data * fsdp == n:
     return data, fsdp
   if n % fsdp:
@@ -255,9 +264,10 @@ def check(c, topology: str, rows_per_device: int = 0, mfu: float = 0.4,
   model = model_shapes(c)
   recipe_mesh = (c.mesh.data, c.mesh.fsdp)
   if not rows_per_device:
-    rows_per_device = max(1, -(-max(c.packing.row_buckets) // (c.mesh.data * c.mesh.fsdp)))
+    rows_per_device = max(1, -(-max(c.packing.row_buckets)
+                               // (c.mesh.data * c.mesh.fsdp * c.mesh.expert)))
   c = c.copy_and_resolve_references()
-  c.mesh.data, c.mesh.fsdp = fit_mesh(c.mesh.data, c.mesh.fsdp, n)
+  c.mesh.data, c.mesh.fsdp = fit_mesh(c.mesh.data, c.mesh.fsdp, n, c.mesh.expert)
   # what the model's "auto" takes on the target's platform (not this CPU's)
   c.model.attention = attention.resolve(c.model.attention, c.packing.row_len,
                                         backend=t.platform)
@@ -273,7 +283,8 @@ def check(c, topology: str, rows_per_device: int = 0, mfu: float = 0.4,
   out = dict(topology=topology, devices=n, hosts=1 + max(d.process_index for d in devices),
              device_kind=devices[0].device_kind, model=c.model.shapes or c.model.name,
              params_b=round(model.num_params / 1e9, 3), recipe_mesh=list(recipe_mesh),
-             mesh=[c.mesh.data, c.mesh.fsdp], rows_per_device=rows_per_device, row_len=L,
+             mesh=[c.mesh.data, c.mesh.fsdp], expert=c.mesh.expert,
+             rows_per_device=rows_per_device, row_len=L,
              tokens_per_micro_batch=tokens, attention=c.model.attention,
              remat=bool(c.model.remat), compute_dtype=c.model.compute_dtype,
              param_dtype=c.model.param_dtype, hbm_gib_per_device=round(t.memory_gib, 3),
@@ -333,16 +344,18 @@ def main(argv):
     common.fail(f"--rows_per_device={FLAGS.rows_per_device}: must be >= 0")
   c = common.load_config()
   from fr_jax.models import registry
+  from fr_jax.models.config import ConfigError
   try:
     model_shapes(c)
   except registry.ModelNotFound as e:
     common.fail(str(e))
   try:
     out = check(c, FLAGS.topology, FLAGS.rows_per_device, FLAGS.mfu, FLAGS.action_fraction)
-  except PluginMissing as e:
+  except (PluginMissing, MeshError, ConfigError) as e:
     common.fail(str(e))
   print(f"{out['topology']}: {out['model']} mesh data={out['mesh'][0]} x "
-        f"fsdp={out['mesh'][1]}, {out['rows_per_device']} x {out['row_len']} tokens per "
+        f"fsdp={out['mesh'][1]} x expert={out['expert']}, {out['rows_per_device']} x "
+        f"{out['row_len']} tokens per "
         f"device: {'fits' if out['fits'] else 'DOES NOT FIT'} "
         f"({out.get('peak_gib', '?')} of {out['limit_gib']} GiB "
         "per device)",

@@ -157,6 +157,49 @@ def test_tiny_update_compiles_for_gpu_nodes_and_an_oversized_one_does_not_fit():
   assert oom["fits"] is False and oom["peak_gib"] > oom["limit_gib"] > 59
 
 
+_MOE_GPU_SCRIPT = """
+import json
+from experiments.configs import tiny_test
+from fr_jax.learner.compile import compile_update_from_shapes
+from fr_jax.models import registry
+from launch import compile_check as cc
+devices = cc.target("h100-1").devices
+for impl in ("auto", "ragged"):
+  for experts in (8, 64):
+    c = tiny_test.get_config()
+    c.model.moe_impl = impl
+    model = registry.TINY_CONFIGS["tiny-qwen3-moe"].replace(num_experts=experts)
+    exe, _, _ = compile_update_from_shapes(c, model, rows=8, devices=devices)
+    m = exe.memory_analysis()
+    print(json.dumps(dict(impl=impl, experts=experts, temp=m.temp_size_in_bytes,
+                          argument=m.argument_size_in_bytes,
+                          triton=exe.as_text().count("__gpu$xla.gpu.triton"))))
+"""
+
+
+@needs_cuda_plugin
+def test_moe_update_for_gpu_runs_grouped_kernels_whose_memory_does_not_grow_with_experts():
+  """The tiny MoE update compiled deviceless for one H100, 8 rows of 512 tokens (8,192
+  tokens, top-2) with 8 and with 64 experts. moe_impl auto lowers the experts to Triton
+  kernels (fr_jax.models.gmm) and its temporaries grow by about what the larger expert stacks
+  add to the arguments, not with the tokens x experts fold that XLA:GPU's ragged_dot expands
+  into (shown by ragged, the same program with jax.lax.ragged_dot)."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", PYTHONPATH=str(REPO))
+  r = subprocess.run([gpu_python(), "-c", _MOE_GPU_SCRIPT], cwd=REPO, env=env,
+                     capture_output=True, text=True, timeout=900)
+  assert r.returncode == 0, r.stderr[-3000:]
+  got = {(d["impl"], d["experts"]): d for d in map(json.loads, r.stdout.strip().splitlines())}
+  grow = {impl: (got[impl, 64]["temp"] - got[impl, 8]["temp"],
+                 got[impl, 64]["argument"] - got[impl, 8]["argument"]) for impl in
+          ("auto", "ragged")}
+  assert got["auto", 8]["triton"] > 0 and got["auto", 64]["triton"] > 0
+  assert got["ragged", 8]["triton"] == got["ragged", 64]["triton"] == 0
+  temp, args = grow["auto"]
+  assert args > 0 and temp <= 2 * args, grow  # measured: +19.3 MB temp for +16.7 MB args
+  temp, args = grow["ragged"]
+  assert temp > 10 * args, grow  # measured: +547 MB
+
+
 def test_cli_refuses_an_unknown_topology_in_one_line():
   r = subprocess.run([sys.executable, "-m", "launch.compile_check",
                       "--config=experiments/configs/tiny_test.py", "--topology=v9z-8"],

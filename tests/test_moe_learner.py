@@ -1,6 +1,7 @@
 """The learner on an MoE model (tiny-qwen3-moe: 4 sparse layers, 8 experts, top-2): a (data,
-fsdp) mesh makes the same gradients and updates as one device, with routing replay and
-without, and the expert stacks are split over fsdp on the expert axis."""
+fsdp) mesh, and one with an expert axis (expert parallelism), makes the same gradients and
+updates as one device, with routing replay and without, and the expert stacks are split on
+the expert axis."""
 
 import jax
 import jax.numpy as jnp
@@ -108,6 +109,52 @@ def test_mesh_equals_single_device(model, data, replay, impl):
     L.close()
 
 
+@pytest.mark.parametrize("replay,shape", [(True, (1, 2, 4)), (False, (2, 1, 4))])
+def test_expert_parallel_mesh_equals_single_device(model, data, replay, shape):
+  """Expert parallelism: 8 devices, an expert axis of 4 ranks (2 of the 8 experts each,
+  stored split over fsdp where fsdp is 2); the tokens travel by all-to-all. The same loss and
+  gradients as one device, and the same parameters after two updates."""
+  single = Learner(moe_config(replay), model=model, devices=jax.devices()[:1])
+  ep = Learner(moe_config(replay, **{"mesh.data": shape[0], "mesh.fsdp": shape[1],
+                                     "mesh.expert": shape[2]}), model=model)
+  assert dict(ep.mesh.shape) == {"data": shape[0], "fsdp": shape[1], "expert": shape[2]}
+  assert ep.model_config.expert_parallel_axis == "expert"  # moe dispatches by all-to-all
+  _, g1 = single.accumulated(data[0])
+  _, g = ep.accumulated(data[0])
+  assert float(g["sums"]["loss"]) == pytest.approx(float(g1["sums"]["loss"]), rel=1e-5,
+                                                   abs=1e-7)
+  assert largest(g1["grads"]["moe"]) > 1e-5
+  for k in g1["grads"]:
+    assert max_diff(g1["grads"][k], g["grads"][k]) <= 1e-5 * largest(g1["grads"][k]), k
+  for b in data:
+    m1, m = single.update(b), ep.update(b)
+    for k in ("loss", "grad_norm", "router_balance", "acceptance_rate"):
+      assert m[k] == pytest.approx(m1[k], rel=1e-5, abs=1e-7), k
+  assert max_diff(single.params, ep.params) <= 1e-5
+  split = ("expert", "fsdp") if shape[1] > 1 else "expert"
+  dense = ("fsdp", "expert") if shape[1] > 1 else "expert"
+  assert ep.state.params["layers"]["wq"].sharding.spec == P(None, dense, None)
+  for name in EXPERTS:
+    x = ep.state.params["moe"][name]
+    assert x.sharding.spec == P(None, split, None, None), name
+    assert x.addressable_shards[0].data.shape[1] == x.shape[1] // (shape[1] * shape[2])
+  single.close()
+  ep.close()
+
+
+def test_expert_parallel_config_errors():
+  from fr_jax.learner import config as lcfg
+  from fr_jax.learner.compile import learner_model_config
+  from fr_jax.models.config import ConfigError
+  moe_cfg = registry.TINY_CONFIGS[MODEL]
+  with pytest.raises(ConfigError, match="does not divide the model's 8 experts"):
+    learner_model_config(tiny_config(**{"mesh.expert": 4, "mesh.fsdp": 4}), moe_cfg)
+  with pytest.raises(ConfigError, match="expert parallelism is for MoE models"):
+    learner_model_config(tiny_config(**{"mesh.expert": 2}), registry.TINY_CONFIGS["tiny-llama"])
+  with pytest.raises(ConfigError, match="data\\*fsdp\\*expert=4"):
+    lcfg.ensure_valid(tiny_config(**{"mesh.expert": 4, "packing.row_buckets": (2,)}))
+
+
 def test_param_spec_rules():
   mesh = meshlib.make_mesh(1, 8)
   sds = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
@@ -127,6 +174,18 @@ def test_param_spec_rules():
   assert meshlib.param_spec((4, 6, 64, 32), 8, True, expert_axis=1) == P(None, None, "fsdp",
                                                                          None)
   assert meshlib.param_spec((4, 6, 64, 32), 1, True, expert_axis=1) == P()
+  # With an expert axis: E over ("expert", "fsdp"), expert-major (rank r's experts are the
+  # r-th contiguous E / expert, split over fsdp within).
+  assert meshlib.param_spec((4, 8, 64, 32), 2, True, 1, expert=4) == P(None, ("expert", "fsdp"),
+                                                                       None, None)
+  assert meshlib.param_spec((4, 8, 64, 32), 1, True, 1, expert=4) == P(None, "expert", None,
+                                                                       None)
+  with pytest.raises(ValueError, match="6 experts do not split over expert=4 x fsdp=1"):
+    meshlib.param_spec((4, 6, 64, 32), 1, True, 1, expert=4)
+  # Every other weight: fsdp x expert ways on its largest dim, else fsdp alone.
+  assert meshlib.param_spec((8, 64, 64), 2, True, expert=4) == P(None, ("fsdp", "expert"), None)
+  assert meshlib.param_spec((8, 64, 64), 1, True, expert=4) == P(None, "expert", None)
+  assert meshlib.param_spec((8, 12, 6), 2, True, expert=4) == P(None, "fsdp", None)
 
 
 def test_weight_decay_covers_routers_and_experts_not_norms():

@@ -12,6 +12,13 @@ buckets. Every compile prints one JSON line: compile_check's, plus the recipe, t
 that reproduces it, and `kind` "fit" for the attempts of the search, "head" for the head rows.
 `docs/scale.md` has the table. Each compile runs in its own process (`--python`, default this
 one), as a user would run it.
+
+`--expert=1,8` repeats each attempt with that expert axis (`--config.mesh.expert`, MoE
+recipes), and `--every` compiles every node count and row count instead of stopping at the
+first fit:
+
+  .venv-gpu/bin/python -m experiments.benchmarks.fit_table --recipes=qwen3_30b_a3b_tool \
+      --kinds=h100,h200 --nodes=1,2 --rows=0 --expert=1,8 --every --action_fractions=
 """
 
 import json
@@ -32,6 +39,9 @@ flags.DEFINE_integer("gpus_per_node", 8, "GPUs per node")
 flags.DEFINE_list("action_fractions", ["0.25"], "head rows at the fitting size")
 flags.DEFINE_list("head_kinds", None, "the kinds that get head rows (default: the first)")
 flags.DEFINE_string("python", sys.executable, "the interpreter that runs compile_check")
+flags.DEFINE_list("expert", ["1"], "expert-axis sizes to compile each attempt with (MoE)")
+flags.DEFINE_list("rows", ["0", "1"], "rows per device to try, in order (0: the recipe's)")
+flags.DEFINE_bool("every", False, "compile every node and row count; no search")
 F = flags.FLAGS
 
 
@@ -55,14 +65,18 @@ def main(argv):
     for kind in F.kinds:
       fitted = None
       for nodes in F.nodes:
-        for rows in (["--rows_per_device=0"], ["--rows_per_device=1"]):
+        for rows in F.rows:
           topology = f"{kind}-{nodes}x{F.gpus_per_node}"
-          row = compile_check(recipe, topology, rows)
-          emit("fit", **row)
-          if row.get("fits"):
-            fitted = (topology, rows)
+          for expert in F.expert:
+            extra = [f"--rows_per_device={rows}"]
+            extra += [f"--config.mesh.expert={expert}"] if expert != "1" else []
+            row = compile_check(recipe, topology, extra)
+            emit("fit", **row)
+            if row.get("fits") and not fitted:
+              fitted = (topology, extra)
+          if fitted and not F.every:
             break
-        if fitted:
+        if fitted and not F.every:
           break
       if not fitted or kind not in (F.head_kinds or F.kinds[:1]):
         continue

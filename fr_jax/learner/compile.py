@@ -57,11 +57,19 @@ def step_config(c: ml_collections.ConfigDict, model_config) -> step.StepConfig:
 
 def learner_model_config(c: ml_collections.ConfigDict, model_config):
   """The model's config with the learner's dtypes and how-not-what choices applied."""
+  ep = c.mesh.get("expert", 1)
+  if ep > 1 and not model_config.is_moe:
+    raise lcfg.ConfigError(f"mesh.expert={ep}: expert parallelism is for MoE models; "
+                           f"{c.model.name} has no experts")
+  if ep > 1 and model_config.num_experts % (ep * c.mesh.fsdp):
+    raise lcfg.ConfigError(f"mesh.expert={ep} x mesh.fsdp={c.mesh.fsdp} does not divide the "
+                           f"model's {model_config.num_experts} experts")
   return model_config.replace(param_dtype=c.model.param_dtype,
                               compute_dtype=c.model.compute_dtype,
                               attention=c.model.attention, moe_impl=c.model.moe_impl,
                               # meshlib.params_sharding splits expert stacks over this axis
-                              expert_shard_axis="fsdp" if model_config.is_moe else None)
+                              expert_shard_axis="fsdp" if model_config.is_moe else None,
+                              expert_parallel_axis="expert" if ep > 1 else None)
 
 
 def state_shardings(params, optimizer, mesh):
@@ -96,7 +104,7 @@ def compile_update_from_shapes(config: ml_collections.ConfigDict, model_config, 
   `memory_analysis()` is per device. Returns (executable, mesh, head positions per row)."""
   c = lcfg.ensure_valid(config)
   model_config = learner_model_config(c, model_config)
-  mesh = meshlib.make_mesh(c.mesh.data, c.mesh.fsdp, devices)
+  mesh = meshlib.make_mesh(c.mesh.data, c.mesh.fsdp, devices, c.mesh.expert)
   optimizer, lr_schedule = optim.make_optimizer(c.optim), optim.schedule(c.optim)
   dtype = jnp.dtype(c.model.param_dtype)
   shapes = jax.eval_shape(lambda: decoder.init_params(model_config, jax.random.key(0)))

@@ -87,7 +87,9 @@ def default_config() -> ml_collections.ConfigDict:
       # head always scores every position.
       head_buckets=(0.125, 0.25, 0.5),
   ))
-  c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1))
+  # Rows are split over data x fsdp x expert devices. expert > 1 (MoE models): expert
+  # parallelism, each expert-axis rank owning num_experts / expert experts (learner.mesh).
+  c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, expert=1))
   c.max_updates = 100  # total updates (a resumed run counts the restored ones)
   c.batch_size = 128  # B trajectories per update
   c.minibatches = 1  # k > 1: a batch of k*B is split into k consecutive updates (ablation)
@@ -150,6 +152,11 @@ def packing_spec(c: ml_collections.ConfigDict) -> PackingSpec:
                      tuple(p.head_buckets))
 
 
+def mesh_size(c: ml_collections.ConfigDict) -> int:
+  """The learner's devices: data x fsdp x expert."""
+  return c.mesh.data * c.mesh.fsdp * c.mesh.get("expert", 1)
+
+
 def check_fields(c: ml_collections.ConfigDict) -> None:
   """The learner's checks and derivations, without marking `c` validated (the run config's
   `validate` adds its own checks first)."""
@@ -166,13 +173,14 @@ def check_fields(c: ml_collections.ConfigDict) -> None:
     raise ConfigError(f"objective.temperature={o.temperature} must be > 0")
   if c.batch_size < 1 or c.minibatches < 1:
     raise ConfigError(f"batch_size={c.batch_size} and minibatches={c.minibatches} must be >= 1")
-  n_shards = c.mesh.data * c.mesh.fsdp
-  if c.mesh.data < 1 or c.mesh.fsdp < 1:
-    raise ConfigError(f"mesh=({c.mesh.data}, {c.mesh.fsdp}): both axes must be >= 1")
+  n_shards = mesh_size(c)
+  if c.mesh.data < 1 or c.mesh.fsdp < 1 or c.mesh.expert < 1:
+    raise ConfigError(f"mesh=({c.mesh.data}, {c.mesh.fsdp}, {c.mesh.expert}): every axis "
+                      "must be >= 1")
   bad = [r for r in c.packing.row_buckets if r % n_shards]
   if bad:
     raise ConfigError(f"packing.row_buckets {bad} are not multiples of the mesh size "
-                      f"data*fsdp={n_shards}; rows are split over the mesh")
+                      f"data*fsdp*expert={n_shards}; rows are split over the mesh")
   try:
     packing_spec(c)
   except PackingError as e:

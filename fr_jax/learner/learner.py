@@ -64,7 +64,7 @@ class Learner:
       model = registry.load_configured(c.model)
     self.model_config = compiling.learner_model_config(c, model.config)
     self.tokenizer = model.tokenizer
-    self.mesh = meshlib.make_mesh(c.mesh.data, c.mesh.fsdp, devices)
+    self.mesh = meshlib.make_mesh(c.mesh.data, c.mesh.fsdp, devices, c.mesh.expert)
     self.spec = lcfg.packing_spec(c)
     self.optimizer = optim.make_optimizer(c.optim)
     self.lr_schedule = optim.schedule(c.optim)

@@ -1,6 +1,7 @@
-"""The (data, fsdp) device mesh and the sharding rules for parameters and packed batches.
+"""The (data, fsdp[, expert]) device mesh and the sharding rules for parameters and packed
+batches.
 
-* Packed rows are split over both axes (data parallelism across the whole mesh).
+* Packed rows are split over every axis (data parallelism across the whole mesh).
 * Each parameter is split over `fsdp` along its largest dimension that divides evenly; a leaf
   of a stacked subtree (`decoder.STACKS`: "layers", and an MoE model's "moe" and "mlp") never
   on its leading layer axis. Everything else is replicated. Optimizer state follows the
@@ -14,7 +15,13 @@
   device runs its own rows' tokens through them (the learner traces under `jax.set_mesh`, and
   `moe._experts` runs the grouped dispatch under shard_map, gathering over the axis
   `learner_model_config` names in `ModelConfig.expert_shard_axis`; docs/scale.md, "Experts on
-  the mesh"). Expert parallelism proper (all-to-all token dispatch) is not built.
+  the mesh").
+* Expert parallelism. With an `expert` axis (`mesh.expert` > 1, for MoE models) the expert
+  stacks are split on E over ("expert", "fsdp"): each expert-axis rank owns E / expert
+  experts, stored split fsdp ways and gathered over fsdp only, and the rows' tokens travel to
+  the rank that owns their experts and back with all-to-alls (`moe._experts_dispatched`).
+  Every other parameter is split fsdp x expert ways by the largest-dimension rule (the expert
+  axis carries rows as data does, and shares the dense weights' storage as fsdp does).
 * Per-trajectory slot arrays ([S]) are replicated: they are tiny.
 
 The update is a jitted function with these shardings; XLA inserts the collectives, so global
@@ -30,35 +37,56 @@ from jax.sharding import PartitionSpec as P
 
 from fr_jax.models import decoder
 
-BATCH_AXES = ("data", "fsdp")
 EXPERT_WEIGHTS = ("experts_gate", "experts_up", "experts_down")  # under "moe": [n, E, ...]
 
 
-def make_mesh(data: int = 1, fsdp: int = 1, devices=None) -> jax.sharding.Mesh:
-  n = data * fsdp
+def make_mesh(data: int = 1, fsdp: int = 1, devices=None, expert: int = 1) -> jax.sharding.Mesh:
+  """A (data, fsdp) mesh, or (data, fsdp, expert) when expert > 1 (the expert axis innermost:
+  an expert group is adjacent devices, one node's where it fits)."""
+  n = data * fsdp * expert
   devices = list(jax.devices() if devices is None else devices)
   if n > len(devices):
-    raise ValueError(f"mesh data={data} x fsdp={fsdp} needs {n} devices; "
+    raise ValueError(f"mesh data={data} x fsdp={fsdp} x expert={expert} needs {n} devices; "
                      f"{len(devices)} are available")
-  return jax.make_mesh((data, fsdp), ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2,
+  shape, names = (data, fsdp, expert), ("data", "fsdp", "expert")
+  if expert == 1:
+    shape, names = shape[:2], names[:2]
+  return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape),
                        devices=devices[:n])
 
 
-def param_spec(shape, fsdp: int, stacked: bool, expert_axis: int | None = None) -> P:
-  """Shard `expert_axis` over fsdp when given and fsdp divides it; else the largest evenly
-  divisible dim (skipping a leading layer axis when `stacked`); else replicate."""
-  if fsdp == 1 or len(shape) == 0:
-    return P()
+def batch_axes(mesh) -> tuple[str, ...]:
+  """The axes packed rows are split over: all of them."""
+  return tuple(mesh.axis_names)
+
+
+def param_spec(shape, fsdp: int, stacked: bool, expert_axis: int | None = None,
+               expert: int = 1) -> P:
+  """Shard `expert_axis` over ("expert", "fsdp") when given and expert * fsdp divides it
+  (over "fsdp" alone without an expert axis); else the largest evenly divisible dim
+  (skipping a leading layer axis when `stacked`) over fsdp, and over the expert axis too
+  where there is one (fsdp x expert ways, else fsdp alone); else replicate."""
   spec = [None] * len(shape)
-  if expert_axis is not None and shape[expert_axis] % fsdp == 0:
+  if expert_axis is not None and expert > 1:
+    if shape[expert_axis] % (expert * fsdp):
+      raise ValueError(f"{shape[expert_axis]} experts do not split over expert={expert} x "
+                       f"fsdp={fsdp} devices")
+    spec[expert_axis] = ("expert", "fsdp") if fsdp > 1 else "expert"
+    return P(*spec)
+  if expert_axis is not None and fsdp > 1 and shape[expert_axis] % fsdp == 0:
     spec[expert_axis] = "fsdp"
     return P(*spec)
   first = 1 if stacked else 0
   dims = sorted(range(first, len(shape)), key=lambda d: -shape[d])
-  for d in dims:
-    if shape[d] % fsdp == 0 and shape[d] >= fsdp:
-      spec[d] = "fsdp"
-      return P(*spec)
+  ways = [(fsdp * expert, ("fsdp", "expert"))] if expert > 1 else []
+  ways += [(fsdp, "fsdp")]
+  for n, axes in ways:
+    if n == 1:
+      continue
+    for d in dims:
+      if shape[d] % n == 0 and shape[d] >= n:
+        spec[d] = axes[1] if fsdp == 1 and isinstance(axes, tuple) else axes
+        return P(*spec)
   return P()
 
 
@@ -66,6 +94,7 @@ def params_sharding(params, mesh):
   """NamedShardings for a params tree, or any tree that holds one (the train state: its
   optimizer moments sit under the same dict keys)."""
   fsdp = mesh.shape["fsdp"]
+  expert = dict(mesh.shape).get("expert", 1)
 
   def one(path, x):
     keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
@@ -73,7 +102,8 @@ def params_sharding(params, mesh):
     expert_axis = None
     if "moe" in keys and keys[-1] in EXPERT_WEIGHTS:
       expert_axis = 1 if stacked else 0
-    return NamedSharding(mesh, param_spec(np.shape(x), fsdp, stacked, expert_axis))
+    return NamedSharding(mesh, param_spec(np.shape(x), fsdp, stacked, expert_axis,
+                                                  expert))
 
   return jax.tree_util.tree_map_with_path(one, params)
 
@@ -81,7 +111,7 @@ def params_sharding(params, mesh):
 def batch_sharding(batch, mesh):
   """[R, L, ...] fields split over rows across the whole mesh; [S] fields replicated; absent
   (None) fields stay None."""
-  rows = NamedSharding(mesh, P(BATCH_AXES))
+  rows = NamedSharding(mesh, P(batch_axes(mesh)))
   rep = NamedSharding(mesh, P())
   return type(batch)(*[None if x is None else rows if np.ndim(x) >= 2 else rep for x in batch])
 

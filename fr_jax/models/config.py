@@ -74,6 +74,9 @@ class ModelConfig:
   moe_impl: str = "auto"  # auto | ragged | gmm | dense (MOE_IMPLS): how, not what
   # The mesh axis the caller splits expert stacks over (None: not split); how, not what.
   expert_shard_axis: str | None = None
+  # The mesh axis whose ranks each own num_experts / size experts, the tokens dispatched to
+  # them by all-to-all (expert parallelism; None: every device runs every expert).
+  expert_parallel_axis: str | None = None
 
   def __post_init__(self):
     if self.family not in FAMILIES:

@@ -3,8 +3,10 @@ of E SwiGLU experts, or the replayed ones) and what the routers did (`LayerRouti
 pooled by `assemble_routing` into one `Routing` with the load-balancing loss).
 
 `ModelConfig.moe_impl` picks how the experts run. Under a device mesh they run per shard,
-gathered over the mesh axis the caller names (`ModelConfig.expert_shard_axis`); model code
-names no mesh axis. `fr_jax.models.decoder` holds the weights and calls this module.
+gathered over the mesh axis the caller names (`ModelConfig.expert_shard_axis`), and with
+expert parallelism (`ModelConfig.expert_parallel_axis`) the tokens are sent to the experts;
+model code names no mesh axis itself. `fr_jax.models.decoder` holds the weights and calls
+this module.
 """
 
 from __future__ import annotations
@@ -62,27 +64,67 @@ def _auto_dot(lhs, rhs, sizes):
 GROUPED = {"ragged": _ragged_dot, "gmm": gmm.gmm, "auto": _auto_dot}
 
 
-def _experts_grouped(cfg: ModelConfig, x, mp, idx, w):
-  """Each (position, chosen expert) pair once: the pairs are sorted by expert and every
-  expert multiplies its contiguous group (the grouped matmul `cfg.moe_impl` names:
-  `jax.lax.ragged_dot`, or `fr_jax.models.gmm`'s kernels), then the outputs go back to
-  their positions and are summed with the gate weights."""
+def _swiglu_groups(cfg: ModelConfig, src, src_index, ids, mp, groups: int):
+  """SwiGLU expert outputs [M, D] for M rows src[src_index] [M, D] whose experts are ids [M]
+  (of `groups` experts in mp; an id >= groups is padding: its output is zero). The rows are
+  sorted by expert and every expert multiplies its contiguous group (the grouped matmul
+  `cfg.moe_impl` names: `jax.lax.ragged_dot`, or `fr_jax.models.gmm`'s kernels; both leave
+  rows past the last group zero), then go back to their places."""
   cd = jnp.dtype(cfg.compute_dtype)
   matmul = GROUPED[cfg.moe_impl]
-  B, L, D = x.shape
-  k = idx.shape[-1]
-  flat = idx.reshape(-1)
-  order = jnp.argsort(flat, stable=True)
-  xs = x.reshape(-1, D)[order // k].astype(cd)
-  sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
+  order = jnp.argsort(ids, stable=True)
+  xs = src[src_index[order]].astype(cd)
+  sizes = jnp.bincount(ids, length=groups).astype(jnp.int32)  # padding ids are dropped
 
   def grouped(lhs, w):
     return matmul(lhs, w.astype(cd), sizes)
 
   a = jax.nn.silu(grouped(xs, mp["experts_gate"])) * grouped(xs, mp["experts_up"])
-  ys = grouped(a.astype(cd), mp["experts_down"])
-  y = ys[jnp.argsort(order)].reshape(B, L, k, D)
-  return jnp.einsum("blkd,blk->bld", y, w)
+  return grouped(a.astype(cd), mp["experts_down"])[jnp.argsort(order)]
+
+
+def _experts_grouped(cfg: ModelConfig, x, mp, idx, w):
+  """Each (position, chosen expert) pair once, through `_swiglu_groups`, then summed per
+  position with the gate weights."""
+  B, L, D = x.shape
+  k = idx.shape[-1]
+  pairs = jnp.arange(B * L * k) // k  # pair p is position p // k's slot p % k
+  ys = _swiglu_groups(cfg, x.reshape(-1, D), pairs, idx.reshape(-1), mp, cfg.num_experts)
+  return jnp.einsum("blkd,blk->bld", ys.reshape(B, L, k, D), w)
+
+
+def _experts_dispatched(cfg: ModelConfig, x, mp, idx, w, axis: str, ep: int):
+  """Expert parallelism, per device under shard_map: this device holds the local experts
+  [E / ep, ...] of its rank r on mesh axis `axis` (experts r * E / ep onward) and its own
+  rows x [B, L, D]. Each of its N = B * L * k (position, expert) pairs goes to the rank that
+  owns the expert, is run there, and comes back.
+
+  The all-to-alls move fixed-size buffers: [ep, N, D] out (slot [r, j]: the j-th pair bound
+  for rank r) and [ep, N, D] in (slot [s, j]: rank s's j-th pair for this rank). N slots per
+  rank is the bound that no routing can overflow (every pair to one rank), so nothing is
+  dropped; the price is ep * N rows of buffer and of grouped-matmul rows (the padding runs
+  as an empty tail, zero in and out). `jax.lax.all_to_all` has CPU, GPU and TPU lowerings;
+  its transpose is the reverse all-to-all, so gradients travel back the same way."""
+  cd = jnp.dtype(cfg.compute_dtype)
+  B, L, D = x.shape
+  k = idx.shape[-1]
+  local = cfg.num_experts // ep
+  flat = idx.reshape(-1)
+  N = flat.shape[0]
+  dest = flat // local
+  order = jnp.argsort(dest, stable=True)  # pairs grouped by destination rank
+  to = dest[order]
+  counts = jnp.bincount(dest, length=ep)
+  slot = jnp.arange(N) - (jnp.cumsum(counts) - counts)[to]
+  send = jnp.zeros((ep, N, D), cd).at[to, slot].set(x.reshape(-1, D)[order // k].astype(cd))
+  send_ids = jnp.full((ep, N), local, jnp.int32).at[to, slot].set(flat[order] % local)
+  recv = jax.lax.all_to_all(send, axis, 0, 0)  # [source rank, N, D]
+  recv_ids = jax.lax.all_to_all(send_ids, axis, 0, 0)
+  ys = _swiglu_groups(cfg, recv.reshape(-1, D), jnp.arange(ep * N), recv_ids.reshape(-1), mp,
+                      local)
+  back = jax.lax.all_to_all(ys.astype(cd).reshape(ep, N, D), axis, 0, 0)  # [dest rank, N, D]
+  y = back[to, slot].astype(F32)[jnp.argsort(order)]  # pair order
+  return jnp.einsum("blkd,blk->bld", y.reshape(B, L, k, D), w)
 
 
 def _experts(cfg: ModelConfig, x, mp, idx, w):
@@ -94,7 +136,9 @@ def _experts(cfg: ModelConfig, x, mp, idx, w):
   device sorts and runs only its own rows' tokens, with the layer's experts all-gathered onto
   it over `cfg.expert_shard_axis` when the caller splits them there on the expert axis (their
   gradient comes back reduce-scattered). Left to GSPMD, the sort over all positions would
-  gather every device's tokens onto every device (docs/scale.md, "Experts on the mesh")."""
+  gather every device's tokens onto every device (docs/scale.md, "Experts on the mesh").
+  With `cfg.expert_parallel_axis` in the mesh the experts are split over that axis too and
+  gathered over the other only; the tokens go to them (`_experts_dispatched`)."""
   grouped = cfg.moe_impl != "dense"
   fn = _experts_grouped if grouped else _experts_dense
   mesh = jax.sharding.get_abstract_mesh()
@@ -103,17 +147,24 @@ def _experts(cfg: ModelConfig, x, mp, idx, w):
   P = jax.sharding.PartitionSpec
   rows = P(tuple(mesh.axis_names))
   experts = {k: mp[k] for k in ("experts_gate", "experts_up", "experts_down")}
-  axis = cfg.expert_shard_axis
-  split = axis in mesh.axis_names and cfg.num_experts % mesh.shape[axis] == 0
+  axis, ep_axis = cfg.expert_shard_axis, cfg.expert_parallel_axis
+  ep = mesh.shape[ep_axis] if ep_axis in mesh.axis_names else 1
+  if ep > 1 and cfg.num_experts % ep:
+    raise ValueError(f"{cfg.num_experts} experts do not split over the {ep} ranks of mesh "
+                     f"axis {ep_axis!r}")
+  split = axis in mesh.axis_names and (cfg.num_experts // ep) % mesh.shape[axis] == 0
+  spec = tuple(a for a, on in ((ep_axis, ep > 1), (axis, split)) if on)
 
   def local(x, idx, w, experts):
     if split:
       cd = jnp.dtype(cfg.compute_dtype)  # gathered in the matmuls' dtype: half the bytes in bf16
       experts = {k: jax.lax.all_gather(v.astype(cd), axis, axis=0, tiled=True)
                  for k, v in experts.items()}
+    if ep > 1:
+      return _experts_dispatched(cfg, x, experts, idx, w, ep_axis, ep)
     return fn(cfg, x, experts, idx, w)
 
-  return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, P(axis) if split else P()),
+  return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, P(spec) if spec else P()),
                        out_specs=rows, check_vma=False)(x, idx, w, experts)
 
 

@@ -27,10 +27,12 @@ Sections, each a few JSON lines, then `summary` (exit status 1 if any check fail
              16,384 tokens. Median time, tokens/s, and MFU against the measured bf16 peak (and
              the datasheet peak where the device is known); compiled and peak device memory.
   fit:       the fit check against the device: the update `launch.compile_check` compiles for
-             qwen25_7b_tool (--fit_layers layers, one row of 8,192 tokens, one device; in a dry
-             run tiny_test's), compiled here and, on a GPU, also deviceless for --fit_kind as
-             compile_check compiles it; then run once on zero weights, and the device's
-             measured peak memory against each `memory_analysis()` peak, as ratios.
+             each of --fit_recipes (qwen25_7b_tool and the MoE qwen3_30b_a3b_tool at
+             --fit_layers layers, one row of 8,192 tokens, one device; in a dry run tiny_test's
+             and tiny_moe's), compiled here and, on a GPU, also deviceless for --fit_kind as
+             compile_check compiles it; then run on zero weights: the device's measured peak
+             memory against each `memory_analysis()` peak, and the median step time against
+             compile_check's roofline estimate (`compile_check.roofline`), as ratios.
   engine:    EmbeddedEngine.generate with SmolLM2-135M shapes (bf16), batch 8 and 32, 128 new
              tokens each: tokens/s.
 Weights are random (`random:NAME` in fr_jax.models.registry): speed and memory do not depend
@@ -64,7 +66,9 @@ flags.DEFINE_string("peer_fixtures", "build/device_fixtures", "transformers' sid
 flags.DEFINE_string("write_peer_fixtures", None, "only write the peer fixtures to this folder "
                     "(needs torch and transformers) and exit")
 flags.DEFINE_integer("attn_row_len", 16384, "row length of the attention timing")
-flags.DEFINE_integer("fit_layers", 4, "layers of the fit section's qwen25_7b_tool")
+flags.DEFINE_integer("fit_layers", 4, "layers of the fit section's recipes")
+flags.DEFINE_list("fit_recipes", ["qwen25_7b_tool", "qwen3_30b_a3b_tool"],
+                  "the fit section's recipes (experiments.configs)")
 flags.DEFINE_string("fit_kind", "h200", "the GPU kind (launch.compile_check.GPU_KINDS) the fit "
                     "section also compiles for deviceless")
 flags.DEFINE_integer("timed_repeats", 3, "timed repeats after a warm-up (median reported)")
@@ -318,7 +322,17 @@ def section_learner(ctx):
   return ok
 
 
+DRY_RECIPES = {"qwen25_7b_tool": "tiny_test", "qwen3_30b_a3b_tool": "tiny_moe"}
+
+
 def section_fit(ctx):
+  ok = True
+  for recipe in F.fit_recipes:
+    ok &= _fit_one(DRY_RECIPES.get(recipe, "tiny_test") if F.dry else recipe)
+  return ok
+
+
+def _fit_one(recipe):
   import importlib
 
   import jax
@@ -333,7 +347,6 @@ def section_fit(ctx):
   from fr_jax.packing import PackingSpec, pack
   from fr_jax.trajectory import Trajectory
   from launch import compile_check as cc
-  recipe = "tiny_test" if F.dry else "qwen25_7b_tool"
   c = importlib.import_module(f"experiments.configs.{recipe}").get_config()
   c.mesh.data = c.mesh.fsdp = 1
   c.packing.row_buckets = (1,)
@@ -348,6 +361,7 @@ def section_fit(ctx):
   exe, mesh, _ = compiling.compile_update_from_shapes(c, shapes, 1, devices=[dev])
   row = dict(recipe=recipe, layers=shapes.num_layers, params_b=round(shapes.num_params / 1e9, 3),
              row_len=c.packing.row_len, attention=c.model.attention,
+             moe_impl=c.model.moe_impl if shapes.is_moe else None,
              predicted_peak_gib=round(cc.peak_bytes(exe.memory_analysis()) / 2**30, 3),
              compile_s=round(time.perf_counter() - t0, 1))
   if jax.default_backend() == "gpu":  # compile_check's own path: no device involved
@@ -356,6 +370,7 @@ def section_fit(ctx):
       deviceless, _, _ = compiling.compile_update_from_shapes(c, shapes, 1, devices=t.devices)
       row["deviceless_kind"] = F.fit_kind
       row["deviceless_peak_gib"] = round(cc.peak_bytes(deviceless.memory_analysis()) / 2**30, 3)
+      row.update(cc.roofline(deviceless, t, shapes, c, 1))
     except Exception as e:  # reported, the measurement still runs
       row["deviceless_error"] = f"{type(e).__name__}: {e}"[:300]
   # Run it: zero weights and Adam state, one full row of random tokens, placed as compiled.
@@ -372,7 +387,12 @@ def section_fit(ctx):
   traj = Trajectory("fit", rng.integers(0, shapes.vocab_size, P),
                     rng.integers(0, shapes.vocab_size, L + 1 - P), np.ones(L + 1 - P, bool),
                     np.full(L + 1 - P, -1.0, np.float32), 1.0, 0)
-  (b,) = pack([traj], PackingSpec(L, (1,), c.packing.max_segments_per_row)).batches
+  if shapes.is_moe:  # routing replay: random experts, k distinct per position and layer
+    n, k = len(shapes.moe_layers), shapes.num_experts_per_tok
+    traj.routed_experts = np.argsort(rng.random((L, n, shapes.num_experts)), -1)[
+        ..., :k].astype(shapes.routing_dtype)
+  spec = PackingSpec(L, (1,), c.packing.max_segments_per_row)
+  (b,) = pack([traj], spec, shapes.routing_shape if shapes.is_moe else None).batches
   batch = meshlib.put(b, meshlib.batch_sharding(b, mesh))
   stats = obj.BatchStats(*[jnp.float32(x) for x in (1, 1, L + 1 - P)])
   before = (dev.memory_stats() or {}).get("peak_bytes_in_use") if hasattr(
@@ -387,6 +407,16 @@ def section_fit(ctx):
         peak / 2**30 / row["predicted_peak_gib"], 3))
     if "deviceless_peak_gib" in row:
       row["ratio_measured_to_deviceless"] = round(peak / 2**30 / row["deviceless_peak_gib"], 3)
+  times = []
+  for _ in range(F.timed_repeats):  # the state is donated: each step takes the last one's
+    t0 = time.perf_counter()
+    state, metrics, _ = exe(state, None, batch, stats)
+    jax.block_until_ready(metrics)
+    times.append(time.perf_counter() - t0)
+  row["step_s_median"] = round(float(np.median(times)), 4)
+  if row.get("roofline_micro_batch_s"):
+    row["ratio_measured_to_roofline"] = round(row["step_s_median"]
+                                              / row["roofline_micro_batch_s"], 3)
   row.update(loss=loss, finite=bool(np.isfinite(loss)))
   emit("fit", **row)
   state = batch = None

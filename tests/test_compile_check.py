@@ -151,6 +151,16 @@ def test_tiny_update_compiles_for_gpu_nodes_and_an_oversized_one_does_not_fit():
   rows_exactly = 2 * 512 * (5 * 4 + 1)  # four int32 and one f32 [R, L] field, one bool
   assert state + rows_exactly <= fits["memory_bytes"]["argument"] <= 1.05 * (state + batch)
   assert 0 < fits["temp_gib"] and fits["peak_gib"] < fits["limit_gib"]
+  # The roofline: the model's FLOPs for this device's 2 x 512 tokens (tiny_test: no remat)
+  # at the H100's 989 TFLOP/s, and the bytes XLA's analysis of the program counts at its
+  # 3.35 TB/s; for a model this small, memory-bound.
+  from fr_jax.models import registry
+  flops = 3 * registry.TINY_CONFIGS["tiny-chat"].flops_per_token(512) * 2 * 512
+  assert fits["hardware_flops_per_device"] == pytest.approx(flops)
+  assert fits["xla_bytes_per_device"] > state  # it reads and writes parameters and moments
+  compute, memory = flops / 989e12, fits["xla_bytes_per_device"] / 3352320000000
+  assert fits["roofline_micro_batch_s"] == round(max(compute, memory), 4)
+  assert fits["roofline_bound"] == "memory"
   # Two A100 nodes: 16 devices over 2 hosts; 4,096 rows of 512 tokens per device is far over
   # the 0.75 x 79.3 GiB a device gives.
   assert (oom["devices"], oom["hosts"], oom["device_kind"]) == (16, 2, "NVIDIA A100-SXM4-80GB")

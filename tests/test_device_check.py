@@ -50,9 +50,12 @@ def test_dry_run_passes_every_section(tmp_path):
   assert all(x["tokens_per_s"] > 0 and x["compiles"] == 1 for x in learner.values())
   assert [e["generated"] for e in kinds["engine"]] == [2 * 8]
   # The fit section compiled compile_check's program for this device and ran it (the CPU
-  # has no memory_stats: the ratio is the GPU's).
-  (fit,) = kinds["fit"]
-  assert fit["recipe"] == "tiny_test" and fit["finite"] and fit["predicted_peak_gib"] > 0
+  # has no memory_stats: the ratio is the GPU's), for a dense recipe and an MoE one, and timed
+  # its step (the roofline beside it is the GPU's too).
+  fits = {f["recipe"]: f for f in kinds["fit"]}
+  assert set(fits) == {"tiny_test", "tiny_moe"} and fits["tiny_moe"]["moe_impl"] == "auto"
+  assert all(f["finite"] and f["predicted_peak_gib"] > 0 and f["step_s_median"] > 0
+             for f in fits.values())
 
 
 def test_the_device_wheels_are_pinned_as_the_runtime_is():

@@ -14,13 +14,14 @@ that reproduces it, and `kind` "fit" for the attempts of the search, "head" for 
 one), as a user would run it.
 
 `--expert=1,8` repeats each attempt with that expert axis (`--config.mesh.expert`, MoE
-recipes), and `--every` compiles every node count and row count instead of stopping at the
-first fit:
+recipes; fsdp divided by it, so that the recipe's mesh keeps its device count), and
+`--every` compiles every node count and row count instead of stopping at the first fit:
 
   .venv-gpu/bin/python -m experiments.benchmarks.fit_table --recipes=qwen3_30b_a3b_tool \
       --kinds=h100,h200 --nodes=1,2 --rows=0 --expert=1,8 --every --action_fractions=
 """
 
+import importlib
 import json
 import subprocess
 import sys
@@ -43,6 +44,10 @@ flags.DEFINE_list("expert", ["1"], "expert-axis sizes to compile each attempt wi
 flags.DEFINE_list("rows", ["0", "1"], "rows per device to try, in order (0: the recipe's)")
 flags.DEFINE_bool("every", False, "compile every node and row count; no search")
 F = flags.FLAGS
+
+
+def recipe_mesh(recipe: str):
+  return importlib.import_module(f"experiments.configs.{recipe}").get_config().mesh
 
 
 def compile_check(recipe: str, topology: str, extra: list[str]) -> dict:
@@ -69,7 +74,9 @@ def main(argv):
           topology = f"{kind}-{nodes}x{F.gpus_per_node}"
           for expert in F.expert:
             extra = [f"--rows_per_device={rows}"]
-            extra += [f"--config.mesh.expert={expert}"] if expert != "1" else []
+            if expert != "1":  # the recipe's devices, expert of them per group
+              fsdp = max(1, recipe_mesh(recipe).fsdp // int(expert))
+              extra += [f"--config.mesh.expert={expert}", f"--config.mesh.fsdp={fsdp}"]
             row = compile_check(recipe, topology, extra)
             emit("fit", **row)
             if row.get("fits") and not fitted:

@@ -19,7 +19,10 @@ Hardware: 16+ accelerators for the learner (fsdp over 16: the 30.5B parameters' 
 and Adam moments are 366 GB) plus an SGLang fleet. The smallest TPU slice whose update fits is
 v5p-16 (8 chips, mesh 1 x 8, one 8k row per chip: 81.4 of 95 GiB per chip, compiled by
 `launch.compile_check --topology=v5p-16 --rows_per_device=1`; docs/scale.md, "Experts on the
-mesh"). Expected time: the paper's 800 steps, days (not measured here). Needs an HF
+mesh"). On GPUs (the grouped Triton expert kernels, moe_impl auto): one H200 node at the
+recipe's 4 rows per device (99.8 of 105.8 GiB), or two H100 nodes at 2 rows
+(`--topology=h100-2x8 --rows_per_device=2`: 57.5 of 59.3 GiB); docs/scale.md, "The 30B MoE on
+GPUs". Expected time: the paper's 800 steps, days (not measured here). Needs an HF
 checkpoint.
 """
 

@@ -130,6 +130,7 @@ def test_expert_parallel_mesh_equals_single_device(model, data, replay, shape):
     m1, m = single.update(b), ep.update(b)
     for k in ("loss", "grad_norm", "router_balance", "acceptance_rate"):
       assert m[k] == pytest.approx(m1[k], rel=1e-5, abs=1e-7), k
+    assert m["expert_drop_rate"] == m1["expert_drop_rate"] == 0  # dropless by default
   assert max_diff(single.params, ep.params) <= 1e-5
   split = ("expert", "fsdp") if shape[1] > 1 else "expert"
   dense = ("fsdp", "expert") if shape[1] > 1 else "expert"

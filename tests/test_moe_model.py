@@ -299,13 +299,31 @@ def test_grouped_gradients_equal_dense(replay, impl):
   print(f"\nreplay={replay}: worst relative gradient diff {impl} vs dense {worst:.2e}")
 
 
+def kept_pairs(idx, devices, ranks, experts, capacity):
+  """NumPy: which (position, slot) pairs of idx [B, L, k] find a slot when the rows are split
+  over `devices` in order and each device's pairs, in position-major order, fill `capacity`
+  slots per rank (rank = expert // (experts / ranks)), first come first served."""
+  B = idx.shape[0]
+  keep = np.ones(idx.shape, bool)
+  for d in range(devices):
+    rows = slice(d * B // devices, (d + 1) * B // devices)
+    used = np.zeros(ranks, int)
+    for pos in np.ndindex(*idx[rows].shape):
+      r = idx[rows][pos] // (experts // ranks)
+      keep[rows][pos] = used[r] < capacity
+      used[r] += 1
+  return keep
+
+
 @pytest.mark.parametrize("shape", [(1, 2, 4), (2, 1, 4)])
 def test_expert_parallel_equals_dense(shape):
   """Expert parallelism (moe._experts_dispatched) on 8 CPU devices, the expert axis of 4
   ranks each owning 2 of the 8 experts: output and every gradient (positions, experts, gate
   weights) equal the dense reference's on one device, for random routing, when every pair
-  goes to one rank (the buffers' bound: all N pairs in one rank's slots) and when two ranks
-  get nothing."""
+  goes to one rank (the dropless buffers' bound: all N pairs in one rank's slots) and when two
+  ranks get nothing. With a capacity factor of 1 (N / 4 slots per rank), the result is the
+  dense reference's without the pairs that NumPy finds over capacity, and the dropped count
+  is theirs."""
   from fr_jax.learner import mesh as meshlib
   cfg = model_config("step2", moe_impl="ragged", expert_shard_axis="fsdp",
                      expert_parallel_axis="expert")
@@ -322,20 +340,29 @@ def test_expert_parallel_equals_dense(shape):
               "two_ranks_empty": np.broadcast_to([0, 7], (B, L, K))}  # ranks 0 and 3 only
 
   def loss(x, mp, w, idx, c):
-    return jnp.sum(moe._experts(c, x, mp, idx, w) * r)
+    y, dropped = moe._experts(c, x, mp, idx, w)
+    return jnp.sum(y * r), dropped
 
-  f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)), static_argnums=4)
+  f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True), static_argnums=4)
   mesh = meshlib.make_mesh(shape[0], shape[1], expert=shape[2])
-  for name, idx in routings.items():
+  for (name, idx), capacity in [(kv, c) for kv in routings.items() for c in (0.0, 1.0)]:
     idx = idx.astype(np.int32)
-    want_y, want_g = f(x, mp, w, idx, cfg.replace(moe_impl="dense"))
+    keep = np.ones(idx.shape, bool)
+    if capacity:  # N = 1 row x 6 positions x top-2 = 12 pairs per device, 3 slots per rank
+      keep = kept_pairs(idx, 8, 4, E, 3)
+    (want_y, _), want_g = f(x, mp, w * keep, idx, cfg.replace(moe_impl="dense"))
     with jax.set_mesh(mesh):
-      if name == "random":  # the dispatch path, not a gather of all tokens
-        assert "all_to_all" in f.lower(x, mp, w, idx, cfg).as_text()
-      got_y, got_g = f(x, mp, w, idx, cfg)
-    assert float(got_y) == pytest.approx(float(want_y), rel=1e-5), name
+      c = cfg.replace(moe_capacity_factor=capacity)
+      if name == "random" and not capacity:  # the dispatch path, not a gather of all tokens
+        assert "all_to_all" in f.lower(x, mp, w, idx, c).as_text()
+      (got_y, dropped), got_g = f(x, mp, w, idx, c)
+    assert float(dropped) == (~keep).sum(), (name, capacity)
+    assert float(got_y) == pytest.approx(float(want_y), rel=1e-5), (name, capacity)
+    want_g = (want_g[0], want_g[1], np.asarray(want_g[2]) * keep)  # d/dw of a dropped pair: 0
     for got, want in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g)):
-      assert np.abs(np.asarray(got) - np.asarray(want)).max() <= 1e-5 * np.abs(want).max(), name
+      err = np.abs(np.asarray(got) - np.asarray(want)).max()
+      assert err <= 1e-5 * np.abs(want).max(), (name, capacity)
+  assert (~kept_pairs(routings["one_rank"], 8, 4, E, 3)).sum() == 8 * 9  # the case drops
 
 
 # --- the load-balancing loss ---------------------------------------------------------------------

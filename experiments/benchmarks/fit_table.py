@@ -43,6 +43,7 @@ flags.DEFINE_string("python", sys.executable, "the interpreter that runs compile
 flags.DEFINE_list("expert", ["1"], "expert-axis sizes to compile each attempt with (MoE)")
 flags.DEFINE_list("rows", ["0", "1"], "rows per device to try, in order (0: the recipe's)")
 flags.DEFINE_bool("every", False, "compile every node and row count; no search")
+flags.DEFINE_list("extra", [], "more compile_check flags for every attempt")
 F = flags.FLAGS
 
 
@@ -73,7 +74,7 @@ def main(argv):
         for rows in F.rows:
           topology = f"{kind}-{nodes}x{F.gpus_per_node}"
           for expert in F.expert:
-            extra = [f"--rows_per_device={rows}"]
+            extra = [f"--rows_per_device={rows}", *F.extra]
             if expert != "1":  # the recipe's devices, expert of them per group
               fsdp = max(1, recipe_mesh(recipe).fsdp // int(expert))
               extra += [f"--config.mesh.expert={expert}", f"--config.mesh.fsdp={fsdp}"]

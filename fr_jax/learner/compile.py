@@ -69,7 +69,8 @@ def learner_model_config(c: ml_collections.ConfigDict, model_config):
                               attention=c.model.attention, moe_impl=c.model.moe_impl,
                               # meshlib.params_sharding splits expert stacks over this axis
                               expert_shard_axis="fsdp" if model_config.is_moe else None,
-                              expert_parallel_axis="expert" if ep > 1 else None)
+                              expert_parallel_axis="expert" if ep > 1 else None,
+                              moe_capacity_factor=float(c.model.get("moe_capacity_factor", 0.0)))
 
 
 def state_shardings(params, optimizer, mesh):

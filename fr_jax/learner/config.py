@@ -45,6 +45,10 @@ def default_config() -> ml_collections.ConfigDict:
       # fr_jax.models.gmm's Pallas-Triton kernels), dense (every expert on every token: the
       # reference) or auto (gmm when compiled for a GPU, else ragged). How, not what.
       moe_impl="auto",
+      # MoE with mesh.expert > 1: expert parallelism's slots per rank, 0 = every pair a device
+      # has (dropless: memory for mesh.expert x its pairs); c > 0 = c x pairs / mesh.expert,
+      # the pairs past them dropped (metric expert_drop_rate).
+      moe_capacity_factor=0.0,
       seed=0,  # init seed for random (tiny) models
       # the registry SHAPES entry of this model's architecture: `launch.compile_check`
       # compiles the update from it, without the checkpoint

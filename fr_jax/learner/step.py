@@ -141,6 +141,8 @@ def _grads_and_sums(params, batch, stats: obj.BatchStats, sc: StepConfig):
       "admitted_ratio_sq_sum": (rho_admitted * rho_admitted).sum(),
       "drift_tokens": drift.sum().astype(f32),
       "router_balance": routing.balance,
+      "expert_dropped": routing.dropped,
+      "expert_pairs": jnp.float32(routing.experts.size),
   }
   maxes = {"seq_kl_max": seq_kl.max(), "ratio_max": rho.max()}
   other_abs = other_kl = jnp.zeros(mask.shape, f32)
@@ -231,6 +233,9 @@ def update(state: TrainState, acc: dict | None, batch, stats, *, sc: StepConfig,
   if sc.model.is_moe:
     # The load-balancing loss summed over micro-batches (one per micro-batch: 1 normally).
     metrics["router_balance"] = sums["router_balance"]
+    # Expert parallelism with a capacity factor: the share of (position, expert) pairs, of
+    # all sparse layers, that found no slot (0 when dropless, the default).
+    metrics["expert_drop_rate"] = sums["expert_dropped"] / jnp.maximum(sums["expert_pairs"], 1)
     if batch.routes is not None:
       metrics["routing_drift"] = sums["drift_tokens"] / n_tok
   return new_state, metrics, segment

@@ -77,6 +77,9 @@ class ModelConfig:
   # The mesh axis whose ranks each own num_experts / size experts, the tokens dispatched to
   # them by all-to-all (expert parallelism; None: every device runs every expert).
   expert_parallel_axis: str | None = None
+  # Expert parallelism's slots per rank: 0 = a device's every pair (dropless); c > 0 =
+  # ceil(c * pairs / ranks), the pairs past them dropped and counted (Routing.dropped).
+  moe_capacity_factor: float = 0.0
 
   def __post_init__(self):
     if self.family not in FAMILIES:
@@ -93,6 +96,9 @@ class ModelConfig:
     object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
     if self.moe_impl not in MOE_IMPLS:
       raise ConfigError(f"moe_impl={self.moe_impl!r}: choose one of {MOE_IMPLS}")
+    if not self.moe_capacity_factor >= 0:
+      raise ConfigError(f"moe_capacity_factor={self.moe_capacity_factor} must be >= 0 "
+                        "(0: dropless)")
     if (self.family == "qwen3_moe") != (self.num_experts > 0):
       raise ConfigError(f"family={self.family!r} with num_experts={self.num_experts}: "
                         "experts belong to qwen3_moe, and qwen3_moe needs num_experts > 0")

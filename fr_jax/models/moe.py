@@ -11,6 +11,7 @@ this module.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -36,6 +37,8 @@ class LayerRouting(NamedTuple):
   drift: jax.Array  # bool [B, L]: the router's own top-k is not the replayed set
   counts: jax.Array  # f32 [E]: selections of each expert by valid positions
   prob_sum: jax.Array  # f32 [E]: router probability of each expert summed over valid positions
+  dropped: jax.Array  # f32 []: (position, expert) pairs over expert parallelism's capacity
+  #                     (`ModelConfig.moe_capacity_factor`; 0 when dropless), whole mesh
 
 
 def _experts_dense(cfg: ModelConfig, x, mp, idx, w):
@@ -93,18 +96,29 @@ def _experts_grouped(cfg: ModelConfig, x, mp, idx, w):
   return jnp.einsum("blkd,blk->bld", ys.reshape(B, L, k, D), w)
 
 
+def ep_capacity(cfg: ModelConfig, pairs: int, ep: int) -> int:
+  """Slots per rank in expert parallelism's buffers for a device's `pairs` pairs: all of
+  them (dropless) unless `cfg.moe_capacity_factor` c > 0 asks for ceil(c * pairs / ep)."""
+  if cfg.moe_capacity_factor <= 0:
+    return pairs
+  return min(pairs, math.ceil(cfg.moe_capacity_factor * pairs / ep))
+
+
 def _experts_dispatched(cfg: ModelConfig, x, mp, idx, w, axis: str, ep: int):
   """Expert parallelism, per device under shard_map: this device holds the local experts
   [E / ep, ...] of its rank r on mesh axis `axis` (experts r * E / ep onward) and its own
   rows x [B, L, D]. Each of its N = B * L * k (position, expert) pairs goes to the rank that
   owns the expert, is run there, and comes back.
 
-  The all-to-alls move fixed-size buffers: [ep, N, D] out (slot [r, j]: the j-th pair bound
-  for rank r) and [ep, N, D] in (slot [s, j]: rank s's j-th pair for this rank). N slots per
-  rank is the bound that no routing can overflow (every pair to one rank), so nothing is
-  dropped; the price is ep * N rows of buffer and of grouped-matmul rows (the padding runs
-  as an empty tail, zero in and out). `jax.lax.all_to_all` has CPU, GPU and TPU lowerings;
-  its transpose is the reverse all-to-all, so gradients travel back the same way."""
+  The all-to-alls move fixed-size buffers: [ep, C, D] out (slot [r, j]: the j-th pair bound
+  for rank r) and [ep, C, D] in (slot [s, j]: rank s's j-th pair for this rank). C = N slots
+  per rank (the default) is the bound that no routing can overflow (every pair to one rank),
+  so nothing is dropped; the price is ep * N rows of buffer and of grouped-matmul rows (the
+  padding runs as an empty tail, zero in and out). With `cfg.moe_capacity_factor` c > 0,
+  C = ceil(c * N / ep): a pair past its rank's C slots is dropped (it contributes zero, as an
+  unselected expert does) and counted. `jax.lax.all_to_all` has CPU, GPU and TPU lowerings;
+  its transpose is the reverse all-to-all, so gradients travel back the same way. Returns
+  (y [B, L, D], pairs dropped on this device)."""
   cd = jnp.dtype(cfg.compute_dtype)
   B, L, D = x.shape
   k = idx.shape[-1]
@@ -116,15 +130,21 @@ def _experts_dispatched(cfg: ModelConfig, x, mp, idx, w, axis: str, ep: int):
   to = dest[order]
   counts = jnp.bincount(dest, length=ep)
   slot = jnp.arange(N) - (jnp.cumsum(counts) - counts)[to]
-  send = jnp.zeros((ep, N, D), cd).at[to, slot].set(x.reshape(-1, D)[order // k].astype(cd))
-  send_ids = jnp.full((ep, N), local, jnp.int32).at[to, slot].set(flat[order] % local)
-  recv = jax.lax.all_to_all(send, axis, 0, 0)  # [source rank, N, D]
+  C = ep_capacity(cfg, N, ep)
+  kept = slot < C  # a slot past C is out of bounds: the scatters drop it
+  send = jnp.zeros((ep, C, D), cd).at[to, slot].set(x.reshape(-1, D)[order // k].astype(cd),
+                                                     mode="drop")
+  send_ids = jnp.full((ep, C), local, jnp.int32).at[to, slot].set(flat[order] % local,
+                                                                  mode="drop")
+  recv = jax.lax.all_to_all(send, axis, 0, 0)  # [source rank, C, D]
   recv_ids = jax.lax.all_to_all(send_ids, axis, 0, 0)
-  ys = _swiglu_groups(cfg, recv.reshape(-1, D), jnp.arange(ep * N), recv_ids.reshape(-1), mp,
+  ys = _swiglu_groups(cfg, recv.reshape(-1, D), jnp.arange(ep * C), recv_ids.reshape(-1), mp,
                       local)
-  back = jax.lax.all_to_all(ys.astype(cd).reshape(ep, N, D), axis, 0, 0)  # [dest rank, N, D]
-  y = back[to, slot].astype(F32)[jnp.argsort(order)]  # pair order
-  return jnp.einsum("blkd,blk->bld", y.reshape(B, L, k, D), w)
+  back = jax.lax.all_to_all(ys.astype(cd).reshape(ep, C, D), axis, 0, 0)  # [dest rank, C, D]
+  y = jnp.where(kept[:, None], back[to, jnp.minimum(slot, C - 1)].astype(F32), 0.0)
+  y = y[jnp.argsort(order)]  # pair order
+  dropped = jnp.sum(~kept).astype(F32)
+  return jnp.einsum("blkd,blk->bld", y.reshape(B, L, k, D), w), dropped
 
 
 def _experts(cfg: ModelConfig, x, mp, idx, w):
@@ -138,12 +158,14 @@ def _experts(cfg: ModelConfig, x, mp, idx, w):
   gradient comes back reduce-scattered). Left to GSPMD, the sort over all positions would
   gather every device's tokens onto every device (docs/scale.md, "Experts on the mesh").
   With `cfg.expert_parallel_axis` in the mesh the experts are split over that axis too and
-  gathered over the other only; the tokens go to them (`_experts_dispatched`)."""
+  gathered over the other only; the tokens go to them (`_experts_dispatched`). Returns
+  (y, the pairs dropped over expert parallelism's capacity across the mesh: 0 elsewhere)."""
   grouped = cfg.moe_impl != "dense"
   fn = _experts_grouped if grouped else _experts_dense
   mesh = jax.sharding.get_abstract_mesh()
+  none = jnp.zeros((), F32)
   if not grouped or mesh.empty or mesh.size == 1 or x.shape[0] % mesh.size:
-    return fn(cfg, x, mp, idx, w)
+    return fn(cfg, x, mp, idx, w), none
   P = jax.sharding.PartitionSpec
   rows = P(tuple(mesh.axis_names))
   experts = {k: mp[k] for k in ("experts_gate", "experts_up", "experts_down")}
@@ -161,11 +183,12 @@ def _experts(cfg: ModelConfig, x, mp, idx, w):
       experts = {k: jax.lax.all_gather(v.astype(cd), axis, axis=0, tiled=True)
                  for k, v in experts.items()}
     if ep > 1:
-      return _experts_dispatched(cfg, x, experts, idx, w, ep_axis, ep)
-    return fn(cfg, x, experts, idx, w)
+      y, dropped = _experts_dispatched(cfg, x, experts, idx, w, ep_axis, ep)
+      return y, jax.lax.psum(dropped, tuple(mesh.axis_names))
+    return fn(cfg, x, experts, idx, w), none
 
   return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, P(spec) if spec else P()),
-                       out_specs=rows, check_vma=False)(x, idx, w, experts)
+                       out_specs=(rows, P()), check_vma=False)(x, idx, w, experts)
 
 
 def moe_block(cfg: ModelConfig, x, mp, routes=None, valid=None):
@@ -194,12 +217,12 @@ def moe_block(cfg: ModelConfig, x, mp, routes=None, valid=None):
     drift = jnp.any(jnp.sort(own, axis=-1) != jnp.sort(idx, axis=-1), axis=-1)
   if cfg.norm_topk_prob:
     w = w / jnp.sum(w, axis=-1, keepdims=True)
-  y = _experts(cfg, x, mp, idx, w)
+  y, dropped = _experts(cfg, x, mp, idx, w)
   vf = jnp.ones(x.shape[:2], F32) if valid is None else valid.astype(F32)
   counts = jnp.zeros((cfg.num_experts,), F32).at[idx.reshape(-1)].add(
       jnp.repeat(vf.reshape(-1), k))
   prob_sum = jnp.einsum("ble,bl->e", probs, vf)
-  return y, LayerRouting(idx, drift, counts, prob_sum)
+  return y, LayerRouting(idx, drift, counts, prob_sum, dropped)
 
 
 class Routing(NamedTuple):
@@ -209,6 +232,7 @@ class Routing(NamedTuple):
   drift: jax.Array  # bool [B, L]: in some sparse layer, the router's own top-k differs from
   #                   the replayed experts (all False without replay)
   balance: jax.Array  # f32 []: the load-balancing loss over valid positions (below)
+  dropped: jax.Array  # f32 []: pairs over expert parallelism's capacity, all sparse layers
 
 
 def assemble_routing(cfg: ModelConfig, per_layer: list, shape) -> Routing:
@@ -219,14 +243,15 @@ def assemble_routing(cfg: ModelConfig, per_layer: list, shape) -> Routing:
   B, L = shape
   if not per_layer:
     return Routing(jnp.zeros((B, L, 0, 0), jnp.int32), jnp.zeros((B, L), bool),
-                   jnp.zeros((), F32))
+                   jnp.zeros((), F32), jnp.zeros((), F32))
   experts = jnp.concatenate([r.experts for r in per_layer], axis=0)  # [n, B, L, k]
   drift = jnp.any(jnp.concatenate([r.drift for r in per_layer], axis=0), axis=0)
   counts = sum(r.counts.sum(0) for r in per_layer)
   prob_sum = sum(r.prob_sum.sum(0) for r in per_layer)
   rows = jnp.maximum(prob_sum.sum(), 1e-9)  # = valid positions x sparse layers
   balance = cfg.num_experts * jnp.sum(counts * prob_sum) / (rows * rows)
-  return Routing(jnp.moveaxis(experts, 0, 2), drift, balance)
+  dropped = sum(r.dropped.sum() for r in per_layer)
+  return Routing(jnp.moveaxis(experts, 0, 2), drift, balance, dropped)
 
 
 def stack_layer(r: LayerRouting | None):

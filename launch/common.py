@@ -101,8 +101,9 @@ def load_model(c):
   """The config's model; first (before anything compiles), the compilation cache is turned
   off for a learner mesh of several CPU devices (`compile_cache.off_for_cpu_mesh`)."""
   from fr_jax import compile_cache
+  from fr_jax.learner.config import mesh_size
   from fr_jax.models import registry
-  compile_cache.off_for_cpu_mesh(c.mesh.data * c.mesh.fsdp * c.mesh.get("expert", 1))
+  compile_cache.off_for_cpu_mesh(mesh_size(c))
   try:
     return registry.load_configured(c.model)
   except (registry.ModelNotFound, registry.CheckpointError, FileNotFoundError) as e:

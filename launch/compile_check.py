@@ -290,6 +290,7 @@ def check(c, topology: str, rows_per_device: int = 0, mfu: float = 0.4,
           action_fraction: float = 1.0) -> dict:
   """Compiles config `c`'s update for `topology`; returns the figures (see module doc)."""
   from fr_jax.learner.compile import compile_update_from_shapes, head_width
+  from fr_jax.learner.config import mesh_size
   from fr_jax.models import attention
   t = target(topology)
   devices = t.devices
@@ -297,8 +298,7 @@ def check(c, topology: str, rows_per_device: int = 0, mfu: float = 0.4,
   model = model_shapes(c)
   recipe_mesh = (c.mesh.data, c.mesh.fsdp)
   if not rows_per_device:
-    rows_per_device = max(1, -(-max(c.packing.row_buckets)
-                               // (c.mesh.data * c.mesh.fsdp * c.mesh.expert)))
+    rows_per_device = max(1, -(-max(c.packing.row_buckets) // mesh_size(c)))
   c = c.copy_and_resolve_references()
   c.mesh.data, c.mesh.fsdp = fit_mesh(c.mesh.data, c.mesh.fsdp, n, c.mesh.expert)
   # what the model's "auto" takes on the target's platform (not this CPU's)

@@ -21,7 +21,8 @@ def test_split_metrics_hand_derived():
       lag_B=[0, 0, 1, 5], action_tokens_B=[2, 3, 4, 1], response_len_B=[10, 40, 20, 30],
       advantage_B=[0.5, -0.5, 0.0, 1.0], admitted_B=[1, 1, 1, 0],
       seq_kl_B=[0.01, 0.03, 0.1, 0.5], abs_dlogp_sum_B=[0.2, 0.3, 2.0, 1.0],
-      token_kl_sum_B=[0.02, 0.03, 0.4, 0.5])
+      token_kl_sum_B=[0.02, 0.03, 0.4, 0.5], stopped_B=[True, False, True, True],
+      last_logp_B=[-0.1, -5.0, -0.3, -0.7], last_behavior_logp_B=[-0.2, -1.0, -0.4, -0.6])
   want = {
       # lag 0: records 0 and 1, 5 action tokens
       "mismatch/lag_0/abs_dlogp": 0.5 / 5, "mismatch/lag_0/token_kl": 0.05 / 5,
@@ -37,10 +38,21 @@ def test_split_metrics_hand_derived():
       "gate/acceptance_len_q4": 1.0, "gate/len_q4_max": 40,
       "gate/acceptance_adv_pos": 0.5, "gate/acceptance_adv_neg": 1.0,
       "gate/acceptance_adv_zero": 1.0,
+      "gate/admitted_adv_sum": 0.5 - 0.5 + 0.0,  # record 3 (A = 1) refused
+      # replies 0, 2, 3 stopped (1 was truncated); A > 0: 0 and 3; no stopped A < 0
+      "eos/logp_at_stop": (-0.1 - 0.3 - 0.7) / 3, "eos/logp_at_stop_adv_pos": (-0.1 - 0.7) / 2,
+      "eos/behavior_logp_at_stop": (-0.2 - 0.4 - 0.6) / 3,
   }
   assert set(m) == set(want)  # no lag 2-3 record: that bucket is left out, not NaN
   for k, v in want.items():
-    assert m[k] == pytest.approx(v, rel=1e-12), k
+    assert m[k] == pytest.approx(v, rel=1e-12, abs=1e-15), k
+  # Refusing a positive record leaves the admitted advantages summing below zero.
+  m = diagnostics.split_metrics(
+      lag_B=[0] * 3, action_tokens_B=[1] * 3, response_len_B=[1, 2, 3],
+      advantage_B=[0.75, -0.25, -0.5], admitted_B=[0, 1, 1], seq_kl_B=[0.0] * 3,
+      abs_dlogp_sum_B=[0.0] * 3, token_kl_sum_B=[0.0] * 3)
+  assert m["gate/admitted_adv_sum"] == -0.75
+  assert not any(k.startswith("eos/") for k in m)  # no finish reasons given
 
 
 def _independent_logp(params, cfg, t) -> np.ndarray:
@@ -87,6 +99,8 @@ def test_learner_split_metrics_equal_a_numpy_recomputation(tmp_path):
   learner = Learner(tiny_config(**{"objective.delta": delta, "log.dir": str(tmp_path)}),
                     model=model)
   lags = [0, 0, 1, 2, 3, 4, 9, 0]
+  for i in (1, 4, 6):
+    trajs[i].finish_reason = "length"
   m = learner.update(trajs, lags=lags)
 
   # The reference, in NumPy from the independent scores.
@@ -122,6 +136,17 @@ def test_learner_split_metrics_equal_a_numpy_recomputation(tmp_path):
   adv = rewards - rewards.mean()  # batch-centred advantages
   assert m["gate/acceptance_adv_pos"] == pytest.approx(admitted[adv > 0].mean())
   assert m["gate/acceptance_adv_neg"] == pytest.approx(admitted[adv < 0].mean())
+  assert m["gate/admitted_adv_sum"] == pytest.approx((adv * admitted).sum(), abs=1e-5)
+  # The stop token's log-probs: each stopped record's last action token.
+  stopped = [i for i in range(8) if i not in (1, 4, 6)]
+  last = [np.flatnonzero(mask[i])[-1] for i in range(8)]
+  assert m["eos/logp_at_stop"] == pytest.approx(
+      np.mean([lp[i][last[i]] for i in stopped]), rel=1e-4)
+  assert m["eos/behavior_logp_at_stop"] == pytest.approx(
+      np.mean([blogp[i][last[i]] for i in stopped]), rel=1e-6)
+  pos = [i for i in stopped if adv[i] > 0]
+  assert pos and m["eos/logp_at_stop_adv_pos"] == pytest.approx(
+      np.mean([lp[i][last[i]] for i in pos]), rel=1e-4)
   # The same row is in metrics.jsonl.
   learner.close()
   (row,) = read_jsonl(tmp_path / "metrics.jsonl")
@@ -158,3 +183,35 @@ def test_token_trust_metrics_count_the_tokens_the_loss_admitted(tmp_path):
   assert m["token_acceptance_rate"] == pytest.approx(w.size / n_tok)
   # A record counts as admitted when none of its action tokens was gated.
   assert m["acceptance_rate"] == pytest.approx(np.mean([g.all() for g in gate]))
+
+
+def test_token_kl_by_behaviour_probability(tmp_path):
+  """`d_by_p/<bin>/...`: the token share, mean Bernoulli KL and share above delta of the tokens
+  in each bin of the behaviour's probability p, against NumPy from an independent scoring.
+  The behaviour log-probs are drawn so that every bin has tokens (p = 1 - 10^-u)."""
+  model = registry.load("tiny-llama")
+  trajs, lp, _, mask, _ = _shifted_batch(model)
+  rng = np.random.default_rng(1)
+  blogp = []
+  for t in trajs:
+    p = 1.0 - 10.0 ** -rng.uniform(0.05, 4.0, t.action_mask.shape)
+    t.behavior_logp = np.where(t.action_mask, np.log(p), 0.0).astype(np.float32)
+    blogp.append(t.behavior_logp.astype(np.float64))
+  delta = 1.0
+  learner = Learner(tiny_config(**{"objective.delta": delta, "log.dir": str(tmp_path)}),
+                    model=model)
+  m = learner.update(trajs, lags=[0] * 8)
+  learner.close()
+  p_all = np.exp(np.concatenate([b[k] for b, k in zip(blogp, mask)]))
+  q_all = np.exp(np.concatenate([a[k] for a, k in zip(lp, mask)]))
+  d_all = np.array([bern_kl(p, q) for p, q in zip(p_all, q_all)])
+  bins = np.digitize(p_all, [0.5, 0.9, 0.99, 0.999])
+  names = ("p0_50", "p50_90", "p90_99", "p99_999", "p999_1")
+  assert set(bins) == set(range(len(names)))
+  assert 0 < (d_all > delta).mean() < 1
+  for k, name in enumerate(names):
+    sel = bins == k
+    assert m[f"d_by_p/{name}/tokens"] == pytest.approx(sel.mean(), abs=1e-6)
+    assert m[f"d_by_p/{name}/token_kl"] == pytest.approx(d_all[sel].mean(), rel=2e-3)
+    assert m[f"d_by_p/{name}/over_delta"] == pytest.approx((d_all[sel] > delta).mean(),
+                                                           abs=1e-6)

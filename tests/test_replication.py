@@ -194,6 +194,10 @@ def test_runner_saves_each_run_and_resumes_an_unfinished_comparison(tmp_path):
       {arm: [r["seed"] for r in rs] for arm, rs in runs.items()}))
   assert calls == [{"a": [0], "b": []}, {"a": [0], "b": [0]}, {"a": [0, 1], "b": [0]},
                    {"a": [0, 1], "b": [0, 1]}]
+  # --arms: only those arms run; the comparison stays unfinished (seeds -1), no summary.
+  part = runner.run_comparison(c, 2, arms=("a",))
+  assert part["seeds"] == -1 and [r["seed"] for r in part["runs"]["a"]] == [0, 1]
+  assert part["runs"]["b"] == []
   # Resuming with seed 0 of both arms kept runs seed 1 only.
   have = {arm: [r for r in rs if r["seed"] == 0] for arm, rs in res["runs"].items()}
   calls.clear()
@@ -223,6 +227,31 @@ def test_runner_saves_each_run_and_resumes_an_unfinished_comparison(tmp_path):
   assert comps.FAST.title in md and comps.get("flash_vs_grpo").title not in md
   runner.plot_evals("stub", res, tmp_path / "curves.png")
   assert (tmp_path / "curves.png").stat().st_size > 10_000
+
+
+def test_lag_study_drift_verdicts_and_paired_table():
+  """Issue 56's drift criterion at its thresholds, and the report's lag 2 - lag 0 pairing."""
+  from experiments.replication import lag_study as ls
+
+  def fake(seed, acc, trunc, first, last):
+    curve = [dict(version=v + 1, length=first if v < 8 else (last if v >= 16 else 30.0))
+             for v in range(24)]
+    return dict(seed=seed, start=dict(accuracy=0.17), end=dict(accuracy=acc,
+                truncation_rate=trunc), gain=dict(accuracy=acc - 0.17), curve=curve)
+
+  assert not ls.drift(fake(0, 0.3, 0.30, 30.0, 34.5))["drifted"]  # at both bounds exactly
+  assert ls.drift(fake(0, 0.3, 0.31, 30.0, 20.0))["drifted"]  # truncation
+  d = ls.drift(fake(0, 0.3, 0.1, 30.0, 34.6))  # length: 34.6 > 1.15 x 30
+  assert d["drifted"] and math.isclose(d["length_rise"], 34.6 / 30.0)
+  results = {"runs": {"base_lag2": {"0": fake(0, 0.30, 0.1, 30, 25),
+                                    "1": fake(1, 0.20, 0.4, 30, 45)},
+                      "base_lag0": {"0": fake(0, 0.35, 0.1, 30, 25),
+                                    "1": fake(1, 0.34, 0.1, 30, 25)}}}
+  md = ls.report(results)
+  assert "| base_lag2 | 2 | 1 |" in md and "| base_lag0 | 2 | 0 |" in md
+  diff = stats.paired([0.30, 0.20], [0.35, 0.34])  # -0.095, interval from the t table
+  assert f"| base | 2 | {diff['mean']:+.3f} [{diff['lo']:+.3f}, {diff['hi']:+.3f}] |" in md
+  assert ls.parse_seeds("0-3") == [0, 1, 2, 3] and ls.parse_seeds("2,5") == [2, 5]
 
 
 def test_runner_rejects_bad_flags_with_a_clear_message(tmp_path):

@@ -142,7 +142,7 @@ COMPARISONS["tool_use_lm"] = Comparison(
 # The first 24 of `make demo`'s 36 updates, on its schedule (a 5-update warm-up): 768 rollouts
 # per run, 50-62 minutes a seed for the three arms here (the budget: docs/replication.md).
 HEADLINE_UPDATES = 24
-_HEAD = dict(config="cpu_default", updates=HEADLINE_UPDATES, schedule=36, batch_size=32,
+HEAD = dict(config="cpu_default", updates=HEADLINE_UPDATES, schedule=36, batch_size=32,
              eval_n=200, eval_every=HEADLINE_UPDATES // 2)
 COMPARISONS["headline_lm"] = Comparison(
     "headline_lm", "The headline on SmolLM2-135M: FlashREINFORCE (asynchronous and "
@@ -152,9 +152,9 @@ COMPARISONS["headline_lm"] = Comparison(
     f"held-out greedy accuracy on the demo's 200 problems",
     "Qwen2.5-Math-1.5B: 38.0 with 256k rollouts vs GRPO 36.3 with 512k; tool use 37.0 vs 30.3 "
     "(GRPO G=8); Qwen3-30B-A3B: 67.1 at lag ~8 vs GRPO 60.3 at lag ~1, same rollouts",
-    {"flash_async": LMSetting(**_HEAD, system=True, lag=2),
-     "flash_sync": LMSetting(**_HEAD),
-     "grpo_g8": LMSetting(**_HEAD, loss="grpo", group_size=8)},
+    {"flash_async": LMSetting(**HEAD, system=True, lag=2),
+     "flash_sync": LMSetting(**HEAD),
+     "grpo_g8": LMSetting(**HEAD, loss="grpo", group_size=8)},
     ("end.accuracy", "gain.accuracy", "end.response_length", "end.truncation_rate",
      "curve_last.reward", "curve_mean.acceptance", "prompts_covered", "train_wall_s"),
     (Claim("end.accuracy", "flash_async", "grpo_g8", True, "37.0 vs 30.3; 67.1 vs 60.3"),

@@ -238,13 +238,21 @@ def _eval(s: Setting, model_cfg, params, tok) -> dict:
   return out
 
 
+# The learner's per-record diagnostics kept in each curve point (the mechanism plots of
+# `experiments.replication.mechanism`): the gate by length and advantage sign, the stop
+# token's log-prob, the Bernoulli KL by behaviour probability.
+DIAGNOSTIC_PREFIXES = ("gate/", "eos/", "d_by_p/")
+
+
 def curve_point(m: dict, version: int) -> dict:
   """One update's training figures, from the learner's metrics."""
   return dict(version=version, reward=m["reward_mean"], acceptance=m["acceptance_rate"],
               entropy=m["entropy"], kl_proxy_mean=m["kl_proxy_mean"],
               kl_proxy_max=m["kl_proxy_max"], ratio_max=m["ratio_max"],
               length=m["response_length"], truncation=m["truncation_rate"],
-              tool_calls=m["tool_calls"], policy_lag=m["policy_lag_mean"], finite=m["finite"])
+              tool_calls=m["tool_calls"], policy_lag=m["policy_lag_mean"], finite=m["finite"],
+              token_kl=m["token_kl_mean"], grad_norm=m["grad_norm"],
+              **{k: v for k, v in m.items() if k.startswith(DIAGNOSTIC_PREFIXES)})
 
 
 def log_point(log: Callable[[str], None], p: dict):

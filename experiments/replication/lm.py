@@ -56,6 +56,9 @@ class LMSetting:
   system: bool = False
   eval_every: int = 0  # held-out evaluations every this many updates too (0: start and end)
   schedule: int = 0  # optim.total_steps (0: `updates`): a longer one cuts a run short on it
+  # Further config changes, applied last: ((dotted key, value), ...), e.g.
+  # (("objective.temperature", 1.0),). Left out of the settings record when empty.
+  overrides: tuple = ()
 
   def run_config(self, seed: int):
     c = _config(self.config)
@@ -70,6 +73,14 @@ class LMSetting:
     c.env.seed = seed
     c.run_dir = c.checkpoint.dir = c.log.dir = ""
     c.log.peak_flops = 1e11  # no start-up matmul measurement
+    for key, value in self.overrides:
+      *path, leaf = key.split(".")
+      node = c
+      for part in path:
+        node = getattr(node, part)
+      if not hasattr(node, leaf):
+        raise KeyError(f"override {key!r}: the config has no {leaf!r} under {'.'.join(path)}")
+      setattr(node, leaf, value)
     return c
 
   def run(self, seed: int, *, log: Callable[[str], None] | None = None) -> dict:

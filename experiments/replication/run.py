@@ -43,6 +43,8 @@ flags.DEFINE_integer("seeds", 5, "seeds per arm (>= 2 for intervals)")
 flags.DEFINE_string("out", "runs/replication", "output directory")
 flags.DEFINE_bool("rerun", False, "run comparisons again even if results.json has them")
 flags.DEFINE_bool("plots", True, "write <comparison>.png")
+flags.DEFINE_list("arms", [], "run only these arms (default: all); the comparison stays "
+                  "unfinished in results.json, its runs kept, until every arm has its seeds")
 F = flags.FLAGS
 
 
@@ -51,11 +53,19 @@ def _say(msg: str):
 
 
 def settings_json(c: comps.Comparison) -> dict:
-  return {arm: dataclasses.asdict(s) for arm, s in c.arms.items()}
+  """Each arm's settings as results.json holds them (an empty `overrides` left out, so runs
+  recorded before that field existed are kept)."""
+  out = {}
+  for arm, s in c.arms.items():
+    d = json.loads(json.dumps(dataclasses.asdict(s)))
+    if d.get("overrides") == []:
+      del d["overrides"]
+    out[arm] = d
+  return out
 
 
 def run_comparison(c: comps.Comparison, seeds: int, have: dict | None = None,
-                   on_run=None) -> dict:
+                   on_run=None, arms=()) -> dict:
   """Runs every arm for seeds 0..seeds-1; seeds already in `have` (same settings) are kept.
   `on_run(runs)` is called after each run (the runner saves them: a slow comparison that is
   interrupted resumes from its last finished run)."""
@@ -63,7 +73,7 @@ def run_comparison(c: comps.Comparison, seeds: int, have: dict | None = None,
   runs = {arm: [r for r in (have or {}).get(arm, []) if r["seed"] < seeds] for arm in c.arms}
   for seed in range(seeds):
     for arm, s in c.arms.items():
-      if any(r["seed"] == seed for r in runs[arm]):
+      if any(r["seed"] == seed for r in runs[arm]) or (arms and arm not in arms):
         continue
       t0 = time.perf_counter()
       _say(f"[{c.name}] {arm} seed {seed}: {s.updates} updates of B={s.batch_size}"
@@ -75,7 +85,8 @@ def run_comparison(c: comps.Comparison, seeds: int, have: dict | None = None,
         on_run(runs)
       _say(f"[{c.name}] {arm} seed {seed}: held-out accuracy {r['start']['accuracy']:.3f} -> "
            f"{r['end']['accuracy']:.3f} ({time.perf_counter() - t0:.0f}s)")
-  return comparison_record(c, seeds, runs)
+  done = all(len(rs) == seeds for rs in runs.values())
+  return comparison_record(c, seeds if done else -1, runs)
 
 
 def comparison_record(c: comps.Comparison, seeds: int, runs: dict) -> dict:
@@ -244,10 +255,18 @@ def main(argv):
       results["comparisons"][n] = comparison_record(c, -1, runs)
       _save_json(results, path)
 
-    res = run_comparison(c, F.seeds, old["runs"] if same else None, on_run=save_partial)
+    bad = [a for a in F.arms if a not in c.arms]
+    if bad:
+      raise app.UsageError(f"--arms={','.join(bad)}: {n} has arms {sorted(c.arms)}")
+    res = run_comparison(c, F.seeds, old["runs"] if same else None, on_run=save_partial,
+                         arms=F.arms)
     results["comparisons"][n] = res
     results["machine"] = {"cpu_count": os.cpu_count(), "platform": sys.platform}
     _write(results, path, out)  # after each comparison: an interrupt loses only the current one
+    if res["seeds"] < 0:
+      _say(f"[{n}] unfinished: arms {', '.join(F.arms)} have {F.seeds} seeds; the others run "
+           f"without --arms")
+      continue
     if F.plots:
       plot(n, res, out / f"{n}.png")
       if all("evals" in r for rs in res["runs"].values() for r in rs):

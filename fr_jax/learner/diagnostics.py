@@ -17,7 +17,15 @@ are made here, in NumPy, after the step:
 * **the gate's acceptance by response length** (`gate/acceptance_len_q{1..4}`): records sorted
   by completion length and cut into four groups of equal size (by rank, so ties may straddle
   a cut); `gate/len_q{k}_max` is each group's longest response.
-* **the gate's acceptance by advantage sign** (`gate/acceptance_adv_{pos,neg,zero}`).
+* **the gate's acceptance by advantage sign** (`gate/acceptance_adv_{pos,neg,zero}`), and
+  what the gate leaves of the batch's advantages (`gate/admitted_adv_sum`: sum_i m_i A_i; the
+  batch-mean baseline makes sum_i A_i = 0, so rejecting positives leaves it below zero, and
+  the admitted records then push the policy, on balance, away from what it sampled).
+* **the stop token's log-prob** (`eos/logp_at_stop`, `eos/behavior_logp_at_stop`): the
+  learner's and the behaviour's log-prob of the last sampled token of the replies that ended
+  on a stop token (not truncated), mean over them, and `eos/logp_at_stop_adv_{pos,neg}` split
+  by advantage sign. Truncated replies have no stop token: once the short rewarded replies are
+  gone, nothing raises it.
 
 A bucket with no record is left out of the row (no NaN in metrics.jsonl).
 """
@@ -32,7 +40,8 @@ LAG_BUCKETS = (("0", 0, 0), ("1", 1, 1), ("2_3", 2, 3), ("4plus", 4, np.iinfo(np
 
 def split_metrics(*, lag_B, action_tokens_B, response_len_B, advantage_B, admitted_B,
                   seq_kl_B, abs_dlogp_sum_B, token_kl_sum_B, drift_sum_B=None, other_B=None,
-                  replay=False) -> dict:
+                  replay=False, stopped_B=None, last_logp_B=None,
+                  last_behavior_logp_B=None) -> dict:
   """The split metrics of one batch of B records (every argument is [B], in record order)."""
   lag = np.asarray(lag_B)
   tokens = np.asarray(action_tokens_B, np.float64)
@@ -66,6 +75,15 @@ def split_metrics(*, lag_B, action_tokens_B, response_len_B, advantage_B, admitt
   for name, sel in (("pos", adv > 0), ("neg", adv < 0), ("zero", adv == 0)):
     if sel.any():
       out[f"gate/acceptance_adv_{name}"] = float(admitted[sel].mean())
+  out["gate/admitted_adv_sum"] = float(np.sum(admitted * adv))
+  if stopped_B is not None:
+    stop = np.asarray(stopped_B, bool)
+    for suffix, sel in (("", stop), ("_adv_pos", stop & (adv > 0)),
+                        ("_adv_neg", stop & (adv < 0))):
+      if sel.any():
+        out[f"eos/logp_at_stop{suffix}"] = float(np.mean(np.asarray(last_logp_B)[sel]))
+    if stop.any():
+      out["eos/behavior_logp_at_stop"] = float(np.mean(np.asarray(last_behavior_logp_B)[stop]))
   return out
 
 
@@ -90,4 +108,5 @@ def record_metrics(trajs, lags_B, packed, segments, *, counterfactual: bool,
       drift_sum_B=per["drift_sum"] if routed else None,
       other_B=(per["other_abs_dlogp_sum"], per["other_token_kl_sum"])
       if routed and counterfactual else None,
-      replay=replay)
+      replay=replay, stopped_B=[t.finish_reason == "stop" for t in trajs],
+      last_logp_B=per["last_logp"], last_behavior_logp_B=per["last_behavior_logp"])

@@ -73,6 +73,22 @@ def init_state(params, optimizer: optax.GradientTransformation) -> TrainState:
 # Importance ratios outside [1/RATIO_BAND, RATIO_BAND] are counted (`ratio_outside_frac`).
 RATIO_BAND = 2.0
 
+# The per-token Bernoulli KL is also split by the behaviour probability p = mu(token) of the
+# sampled token (`d_by_p/<bin>/...`): bins [0, .5), [.5, .9), [.9, .99), [.99, .999), [.999, 1].
+# Near p = 1 a small change of p already costs d ~ delta (p .99 -> .98: d = 3.1e-3), so the
+# split shows which tokens the gate's budget is spent on.
+P_EDGES = (0.5, 0.9, 0.99, 0.999)
+P_BINS = ("p0_50", "p50_90", "p90_99", "p99_999", "p999_1")
+
+
+def _last_action(x_RxL, mask, segment_ids, S):
+  """Per-trajectory value [S] of `x` at each trajectory's last action token (0 if it has none):
+  for a reply that ended on a stop token, the log-prob of that token."""
+  flat = jnp.arange(mask.size, dtype=jnp.int32)
+  last = jax.ops.segment_max(jnp.where(mask.reshape(-1), flat, -1), segment_ids.reshape(-1),
+                             num_segments=S + 1)[1:]
+  return jnp.where(last >= 0, x_RxL.reshape(-1)[jnp.maximum(last, 0)], 0.0)
+
 
 def _grads_and_sums(params, batch, stats: obj.BatchStats, sc: StepConfig):
   """Gradient, metric sums and per-trajectory values [S] of one micro-batch's share of the
@@ -144,6 +160,12 @@ def _grads_and_sums(params, batch, stats: obj.BatchStats, sc: StepConfig):
       "expert_dropped": routing.dropped,
       "expert_pairs": jnp.float32(routing.experts.size),
   }
+  p_bin = jnp.searchsorted(jnp.asarray(P_EDGES, f32), jnp.exp(batch.behavior_logp),
+                           side="right")
+  in_bin = mask[..., None] & (p_bin[..., None] == jnp.arange(len(P_BINS)))  # [R, L, bins]
+  sums["p_bin_tokens"] = in_bin.sum((0, 1)).astype(f32)
+  sums["p_bin_kl"] = jnp.where(in_bin, d[..., None], 0.0).sum((0, 1))
+  sums["p_bin_over_delta"] = (in_bin & (d[..., None] > sc.delta)).sum((0, 1)).astype(f32)
   maxes = {"seq_kl_max": seq_kl.max(), "ratio_max": rho.max()}
   other_abs = other_kl = jnp.zeros(mask.shape, f32)
   if batch.routes is not None and sc.routing_counterfactual and sc.loss != "sft":
@@ -163,6 +185,11 @@ def _grads_and_sums(params, batch, stats: obj.BatchStats, sc: StepConfig):
       "drift_sum": obj.segment_sum(drift.astype(f32), batch.segment_ids, S),
       "other_abs_dlogp_sum": obj.segment_sum(other_abs, batch.segment_ids, S),
       "other_token_kl_sum": obj.segment_sum(other_kl, batch.segment_ids, S),
+      # The learner's and the behaviour's log-prob of each reply's last sampled token: the
+      # stop token's (EOS) for a reply that was not truncated (the host picks those).
+      "last_logp": _last_action(aux["log_ratio"] + batch.behavior_logp, mask,
+                                batch.segment_ids, S),
+      "last_behavior_logp": _last_action(batch.behavior_logp, mask, batch.segment_ids, S),
   }
   return grads, sums, maxes, segment
 
@@ -230,6 +257,13 @@ def update(state: TrainState, acc: dict | None, batch, stats, *, sc: StepConfig,
       "trajectories": sums["trajectories"],
       "finite": ok,
   }
+  p_tokens = sums["p_bin_tokens"]
+  for k, name in enumerate(P_BINS):
+    # Token share of the bin, its mean d and the share of its tokens with d > delta.
+    metrics[f"d_by_p/{name}/tokens"] = p_tokens[k] / n_tok
+    metrics[f"d_by_p/{name}/token_kl"] = sums["p_bin_kl"][k] / jnp.maximum(p_tokens[k], 1.0)
+    metrics[f"d_by_p/{name}/over_delta"] = (sums["p_bin_over_delta"][k]
+                                            / jnp.maximum(p_tokens[k], 1.0))
   if sc.model.is_moe:
     # The load-balancing loss summed over micro-batches (one per micro-batch: 1 normally).
     metrics["router_balance"] = sums["router_balance"]

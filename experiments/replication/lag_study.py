@@ -1,0 +1,293 @@
+r"""Does asynchrony hurt the demo? The lag study of issue 56: `make demo`'s recipe at policy
+lag 2 (as the demo runs it) and lag 0, on many seeds, with every run's drift verdict, and the
+same for each candidate fix.
+
+  .venv/bin/python -m experiments.replication.lag_study --variants=base_lag2,base_lag0 \
+      --seeds=0-7 --import_from=experiments/replication/results_lag/results.json
+  .venv/bin/python -m experiments.replication.lag_study --report        # tables, no runs
+  .venv/bin/python -m experiments.replication.lag_study --variants=base_lag2 --seeds=2,4 \
+      --mechanism=base_lag2:2,base_lag2:4                                # and the plots
+
+A variant is the headline's FlashREINFORCE setting (`comparisons.HEAD`: `cpu_default`, the
+first 24 updates of 32 rollouts of its 36-update schedule, greedy held-out accuracy on the
+demo's 200 problems at the start, update 12 and the end) with some config changes; `_lag2`
+runs it as `make demo` does (the asynchronous system, the worker at a fixed lag of 2),
+`_lag0` synchronously (`driver.rl_loop`). Runs are kept in --out/results.json by variant and
+seed, so an interrupted study resumes; --import_from takes the headline comparison's
+flash_async and flash_sync runs as base_lag2 and base_lag0 where their settings are equal.
+
+A run **drifts** (issue 56's criterion) when its held-out truncation ends above 0.3 or its
+training length rises: the mean over its last 8 updates above 1.15 x the mean over its first 8
+(healthy runs shorten their replies as they learn: 0.6-1.05 x on the first 14 runs measured;
+the drifting one, 1.5 x).
+
+--mechanism=variant:seed,... plots, per run, what issue 56 asks to see per update: training
+length, truncation and reward; the gate's acceptance by length quartile and by advantage sign,
+and sum_i m_i A_i; the Bernoulli KL by the behaviour probability p (the learner's `d_by_p/`
+metrics) and log pi(EOS) at the replies' stop tokens. Runs made before those metrics existed
+plot what they have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from absl import app, flags
+
+from experiments.benchmarks.common import cpu_model
+from experiments.replication import stats
+from experiments.replication.comparisons import HEAD
+from experiments.replication.lm import LMSetting
+
+F = flags.FLAGS
+
+# The fraction by which the last 8 updates' mean training length may exceed the first 8's.
+LENGTH_RISE = 1.15
+TRUNCATION_DRIFT = 0.3
+
+
+def _pair(name: str, **over) -> dict:
+  """`name`_lag2 (the system at a fixed lag of 2, as `make demo`) and `name`_lag0
+  (synchronous), both with the config changes `over` (dotted keys)."""
+  o = tuple(sorted(over.items()))
+  return {f"{name}_lag2": LMSetting(**HEAD, system=True, lag=2, overrides=o),
+          f"{name}_lag0": LMSetting(**HEAD, overrides=o)}
+
+
+VARIANTS: dict[str, LMSetting] = {
+    **_pair("base"),  # today's demo settings
+}
+IMPORTED = {"base_lag2": "flash_async", "base_lag0": "flash_sync"}
+
+
+def _say(msg: str):
+  print(msg, file=sys.stderr, flush=True)
+
+
+def parse_seeds(text: str) -> list[int]:
+  if "-" in text:
+    lo, hi = text.split("-")
+    return list(range(int(lo), int(hi) + 1))
+  return [int(s) for s in text.split(",") if s]
+
+
+def settings(s: LMSetting) -> dict:
+  return json.loads(json.dumps(dataclasses.asdict(s)))
+
+
+def drift(r: dict) -> dict:
+  """The drift verdict of one run and the figures it rests on."""
+  length = [p["length"] for p in r["curve"]]
+  first, last = float(np.mean(length[:8])), float(np.mean(length[-8:]))
+  trunc = r["end"]["truncation_rate"]
+  return dict(truncation_end=trunc, length_first8=first, length_last8=last,
+              length_rise=last / first,
+              drifted=bool(trunc > TRUNCATION_DRIFT or last > LENGTH_RISE * first))
+
+
+def _import(results: dict, path: Path):
+  """The headline comparison's runs with base_lag2 / base_lag0's settings."""
+  src = json.loads(path.read_text())["comparisons"].get("headline_lm", {})
+  for variant, arm in IMPORTED.items():
+    want = settings(VARIANTS[variant])
+    have = dict(src.get("settings", {}).get(arm, {}), overrides=[])
+    if have != want:
+      _say(f"--import_from: {arm}'s settings differ from {variant}'s; not imported")
+      continue
+    runs = results["runs"].setdefault(variant, {})
+    for r in src["runs"].get(arm, []):
+      runs.setdefault(str(r["seed"]), dict(r, imported_from=f"{path}:{arm}", settings=want))
+
+
+def _save(results: dict, path: Path):
+  tmp = path.with_suffix(".tmp")
+  tmp.write_text(json.dumps(results, separators=(",", ":"), default=float))
+  tmp.replace(path)
+
+
+def run_all(results: dict, variants: list[str], seeds: list[int], path: Path):
+  """Seed-major, so that a study stopped early has every variant on its first seeds."""
+  for seed in seeds:
+    for v in variants:
+      runs = results["runs"].setdefault(v, {})
+      if str(seed) in runs:
+        continue
+      s = VARIANTS[v]
+      _say(f"[lag_study] {v} seed {seed}: {s.updates} updates of B={s.batch_size}, "
+           f"{'system at lag 2' if s.system else 'synchronous'}, {dict(s.overrides) or ''}")
+      t0 = time.perf_counter()
+      r = s.run(seed, log=_say)
+      r["cpu"] = cpu_model()
+      r["settings"] = settings(s)
+      runs[str(seed)] = r
+      _save(results, path)
+      d = drift(r)
+      _say(f"[lag_study] {v} seed {seed}: held-out {r['start']['accuracy']:.3f} -> "
+           f"{r['end']['accuracy']:.3f}, truncation {d['truncation_end']:.3f}, length "
+           f"{d['length_first8']:.1f} -> {d['length_last8']:.1f}"
+           f"{' DRIFTED' if d['drifted'] else ''} ({time.perf_counter() - t0:.0f}s)")
+
+
+def _ci(x: dict, nd: int = 3) -> str:
+  return f"{x['mean']:+.{nd}f} [{x['lo']:+.{nd}f}, {x['hi']:+.{nd}f}]"
+
+
+def report(results: dict) -> str:
+  """results.md: every run's row, each variant's summary, and lag 2 against lag 0 paired by
+  seed for each variant that has both."""
+  out = ["# Lag study (issue 56)", "",
+         f"Drift: held-out truncation at the end > {TRUNCATION_DRIFT}, or the training length's "
+         f"mean over the last 8 updates > {LENGTH_RISE} x that over the first 8. Held-out: "
+         "greedy accuracy on the demo's 200 problems.", "",
+         "| variant | seed | held-out start -> end | gain | truncation end | length first 8 "
+         "-> last 8 | drifted | CPU |", "|---|---|---|---|---|---|---|---|"]
+  summary = ["", "| variant | seeds | drifted | gain mean [95% CI] | lowest gain | "
+             "held-out end mean |", "|---|---|---|---|---|---|"]
+  for v in VARIANTS:
+    runs = results["runs"].get(v, {})
+    if not runs:
+      continue
+    rs = [runs[k] for k in sorted(runs, key=int)]
+    for r in rs:
+      d = drift(r)
+      out.append(f"| {v} | {r['seed']} | {r['start']['accuracy']:.3f} -> "
+                 f"{r['end']['accuracy']:.3f} | {r['gain']['accuracy']:+.3f} | "
+                 f"{d['truncation_end']:.3f} | {d['length_first8']:.1f} -> "
+                 f"{d['length_last8']:.1f} | {'yes' if d['drifted'] else 'no'} | "
+                 f"{r.get('cpu', '?')} |")
+    gains = [r["gain"]["accuracy"] for r in rs]
+    n_drift = sum(drift(r)["drifted"] for r in rs)
+    summary.append(f"| {v} | {len(rs)} | {n_drift} | {_ci(stats.mean_ci(gains))} | "
+                   f"{min(gains):+.3f} | {np.mean([r['end']['accuracy'] for r in rs]):.3f} |")
+  paired = ["", "Lag 2 minus lag 0, paired by seed (held-out accuracy at the end):", "",
+            "| variant | seeds | difference [95% CI] |", "|---|---|---|"]
+  for v in VARIANTS:
+    if not v.endswith("_lag2"):
+      continue
+    a, b = results["runs"].get(v, {}), results["runs"].get(v[:-1] + "0", {})
+    common = sorted(set(a) & set(b), key=int)
+    if len(common) >= 2:
+      d = stats.paired([a[k]["end"]["accuracy"] for k in common],
+                       [b[k]["end"]["accuracy"] for k in common])
+      paired.append(f"| {v[:-5]} | {len(common)} | {_ci(d)} |")
+  return "\n".join(out + summary + paired) + "\n"
+
+
+def _series(curve: list, key: str):
+  x = [p["version"] for p in curve if key in p]
+  return x, [p[key] for p in curve if key in p]
+
+
+P_BINS = ("p0_50", "p50_90", "p90_99", "p99_999", "p999_1")
+
+
+def plot_mechanism(results: dict, picks: list[str], path: Path):
+  """One column per run (variant:seed), five panels per column (module docstring)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  cols = []
+  for pick in picks:
+    v, _, seed = pick.partition(":")
+    r = results["runs"].get(v, {}).get(seed)
+    if r is None:
+      raise app.UsageError(f"--mechanism={pick}: no such run in {F.out}")
+    cols.append((pick, r))
+  fig, axes = plt.subplots(5, len(cols), figsize=(5.5 * len(cols), 16), squeeze=False,
+                           sharex=True)
+  for j, (pick, r) in enumerate(cols):
+    c = r["curve"]
+    d = drift(r)
+    ax = axes[0, j]
+    ax.plot(*_series(c, "length"), color="C0", label="training length (tokens)")
+    ax.set_ylabel("tokens")
+    tw = ax.twinx()
+    tw.plot(*_series(c, "truncation"), color="C3", label="truncation")
+    tw.plot(*_series(c, "reward"), color="C2", label="reward")
+    tw.set_ylim(0, 1)
+    ax.set_title(f"{pick}: held-out {r['start']['accuracy']:.2f} -> {r['end']['accuracy']:.2f}"
+                 f"{' (drifted)' if d['drifted'] else ''}")
+    ax.legend(loc="upper left", fontsize=7)
+    tw.legend(loc="upper right", fontsize=7)
+    ax = axes[1, j]
+    for q in range(1, 5):
+      ax.plot(*_series(c, f"gate/acceptance_len_q{q}"), label=f"length quartile {q}")
+    ax.set_ylabel("gate acceptance")
+    ax.legend(fontsize=7)
+    ax = axes[2, j]
+    for sign, color in (("pos", "C2"), ("neg", "C3")):
+      ax.plot(*_series(c, f"gate/acceptance_adv_{sign}"), color=color,
+              label=f"acceptance, A {'>' if sign == 'pos' else '<'} 0")
+    ax.set_ylabel("gate acceptance")
+    ax.legend(loc="lower left", fontsize=7)
+    tw = ax.twinx()
+    tw.plot(*_series(c, "gate/admitted_adv_sum"), color="k", ls="--",
+            label="sum m_i A_i (admitted)")
+    tw.axhline(0, color="k", lw=0.5)
+    tw.legend(loc="lower right", fontsize=7)
+    ax = axes[3, j]
+    for k, name in enumerate(P_BINS):
+      ax.plot(*_series(c, f"d_by_p/{name}/token_kl"), color=f"C{k}", label=f"mean d, {name}")
+      ax.plot(*_series(c, f"d_by_p/{name}/over_delta"), color=f"C{k}", ls=":")
+    ax.set_yscale("log")
+    ax.set_ylabel("d (solid); share d > delta (dotted)")
+    ax.legend(fontsize=6, ncol=2)
+    ax = axes[4, j]
+    for key, color in (("eos/logp_at_stop", "k"), ("eos/logp_at_stop_adv_pos", "C2"),
+                       ("eos/logp_at_stop_adv_neg", "C3"), ("eos/behavior_logp_at_stop", "C7")):
+      ax.plot(*_series(c, key), color=color, label=key.removeprefix("eos/"))
+    ax.set_ylabel("log pi(stop token)")
+    ax.set_xlabel("update")
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=80)
+  plt.close(fig)
+
+
+def main(argv):
+  del argv
+  bad = [v for v in F.variants if v not in VARIANTS]
+  if bad:
+    raise app.UsageError(f"--variants: unknown {bad}; choose from {sorted(VARIANTS)}")
+  out = Path(F.out)
+  out.mkdir(parents=True, exist_ok=True)
+  from experiments.replication import driver
+  driver.CACHE_DIR = str(out / "warm")
+  path = out / "results.json"
+  results = json.loads(path.read_text()) if path.exists() else {"runs": {}}
+  for v, runs in results["runs"].items():  # a variant whose settings changed: not mixed
+    if v in VARIANTS and any(r["settings"] != settings(VARIANTS[v]) for r in runs.values()):
+      raise app.UsageError(f"{path}: {v}'s runs were made with other settings than today's "
+                           f"{v}; move them or rename the variant")
+  if F.import_from:
+    _import(results, Path(F.import_from))
+  if not F.report:
+    run_all(results, F.variants, parse_seeds(F.seeds), path)
+  _save(results, path)
+  (out / "results.md").write_text(report(results))
+  if F.mechanism:
+    plot_mechanism(results, F.mechanism, out / "mechanism.png")
+  print(json.dumps({"out": str(out), "variants": sorted(results["runs"]),
+                    "runs": sum(len(r) for r in results["runs"].values())}))
+
+
+def define_flags():
+  """The command's flags (defined only when run, so that tests can import this module beside
+  `experiments.replication.run`, whose flags share names)."""
+  flags.DEFINE_list("variants", [], "variants to run (see VARIANTS)")
+  flags.DEFINE_string("seeds", "0-7", "seeds: a range a-b or a list a,b,c")
+  flags.DEFINE_string("out", "experiments/replication/results_lag_study", "output directory")
+  flags.DEFINE_string("import_from", "", "a replication results.json whose headline_lm "
+                      "flash_async / flash_sync runs count as base_lag2 / base_lag0")
+  flags.DEFINE_bool("report", False, "write the tables (and --mechanism plots) without running")
+  flags.DEFINE_list("mechanism", [], "variant:seed runs to plot (mechanism.png)")
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)

@@ -19,12 +19,12 @@ AGENT_DIR ?= runs/agent
 REPLICATION_DIR ?= runs/replication
 
 help:
-	@echo "make demo      install .venv if needed, train SmolLM2-135M on arithmetic (13-19 min, CPU)"
+	@echo "make demo      install .venv if needed, train SmolLM2-135M on arithmetic (13-25 min, CPU)"
 	@echo "               SEED=n: another seed (prompts and samples); docs/demo.md"
 	@echo "make demo-agent  SmolLM2 learns when to call the Python tool: SFT warm start, then"
-	@echo "               FlashREINFORCE, evaluated per difficulty (~24 min, CPU)"
+	@echo "               FlashREINFORCE, evaluated per difficulty (~21 min, CPU)"
 	@echo "make test      install .venv and .venv-vllm if needed, lint, then run the fast test suite"
-	@echo "               (not marked slow; it starts real vLLM servers on this CPU)"
+	@echo "               (not marked slow; it starts real vLLM servers on this CPU; 20-30 min)"
 	@echo "make lint      ruff (pyproject.toml's rules) over the whole tree"
 	@echo "make test-all  run every test, slow ones included"
 	@echo "make bench     run the benchmarks in experiments/benchmarks/ (JSON lines)"

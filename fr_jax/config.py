@@ -76,6 +76,9 @@ def default_config() -> ml_collections.ConfigDict:
   c.eval = ml_collections.ConfigDict(dict(
       n=0,  # launch.train: held-out tasks evaluated (greedy) at the start and the end; 0: none
       every=0,  # launch.train: also every this many updates (the run's curves); 0: never
+      # those periodic evaluations use the first every_n tasks of the n (0: all n), so a
+      # curve costs little; the start and end evaluations always use all n
+      every_n=0,
       # 0: greedy; > 0: one sample per task at this temperature (fixed seeds). A policy that
       # is undecided between two actions shows it only when sampled.
       temperature=0.0,
@@ -186,6 +189,9 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     raise ConfigError(f"eval.temperature={c.eval.temperature} must be >= 0 (0: greedy)")
   if c.eval.every < 0:
     raise ConfigError(f"eval.every={c.eval.every} must be >= 0")
+  if not 0 <= c.eval.every_n <= c.eval.n:
+    raise ConfigError(f"eval.every_n={c.eval.every_n} must be in [0, eval.n={c.eval.n}] (the "
+                      "periodic evaluations use the first every_n of the n held-out tasks)")
   g = c.gateway
   if g.tool_format not in ("auto", "none", *tool_formats.FORMATS):
     raise ConfigError(f"gateway.tool_format={g.tool_format!r}: choose auto, none or one of "

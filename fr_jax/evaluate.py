@@ -57,7 +57,8 @@ def evaluate(model_config, params, tokenizer, env, agent: AgentConfig, *, n: int
              response_length=float(np.mean(lengths)),
              truncation_rate=float(np.mean([t.truncated for t in trajs])),
              turns=float(np.mean([t.num_turns for t in trajs])),
-             seconds=round(time.perf_counter() - t0, 1))
+             seconds=round(time.perf_counter() - t0, 1),
+             item_scores=scores[0].tolist())  # the first sample's score of each task, in order
   if samples > 1:
     out[f"avg@{samples}"] = float(scores.mean())
     out[f"pass@{samples}"] = float((scores.max(0) > 0).mean())
@@ -73,7 +74,8 @@ def evaluate(model_config, params, tokenizer, env, agent: AgentConfig, *, n: int
 
 
 def table(result: dict) -> str:
-  """A two-column text table of a result."""
-  w = max(len(k) for k in result)
+  """A two-column text table of a result (its per-task scores left out)."""
+  rows = {k: v for k, v in result.items() if k != "item_scores"}
+  w = max(len(k) for k in rows)
   return "\n".join(f"{k:<{w}}  {v:.4f}" if isinstance(v, float) else f"{k:<{w}}  {v}"
-                   for k, v in result.items())
+                   for k, v in rows.items())

@@ -1,4 +1,5 @@
-"""A progress bar over updates: reward, acceptance rate, tokens/s, lag, queue depth."""
+"""A progress bar over updates: reward, acceptance rate, tokens/s, lag, queue depth, and the
+last held-out accuracy (with its update, and its task count when it is a slice)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,16 @@ class Progress:
     self.bar = tqdm(total=total, initial=initial, desc="updates", unit="upd",
                     file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
 
-  def update(self, m: dict, service) -> None:
+  def update(self, m: dict, service, held_out: dict | None = None) -> None:
+    """`held_out`: the last held-out evaluation, {version, accuracy[, n]} (None: none)."""
     self.bar.n = service.version
-    self.bar.set_postfix(reward=f"{m['reward_mean']:.3f}", acc=f"{m['acceptance_rate']:.2f}",
+    extra = {}
+    if held_out is not None:
+      n = f", n={held_out['n']}" if held_out.get("n") else ""
+      extra["held_out"] = f"{held_out['accuracy']:.3f}@v{held_out['version']}{n}"
+    self.bar.set_postfix(reward=f"{m['reward_mean']:.3f}", accept=f"{m['acceptance_rate']:.2f}",
                          tok_s=f"{m['tokens_per_s']:.0f}", lag=m["policy_lag_max"],
-                         queue=len(service.queue), refresh=False)
+                         queue=len(service.queue), **extra, refresh=False)
     self.bar.refresh()
 
   def __enter__(self):

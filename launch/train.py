@@ -29,15 +29,15 @@ import time
 from launch import common
 
 
-def _evaluate(c, model, params, label):
+def _evaluate(c, model, params, label, n):
   from fr_jax import envs, system
   from fr_jax.evaluate import evaluate
   env = envs.make(c.env.name, **c.env.kwargs.to_dict())
   t = c.eval.temperature
-  print(f"evaluating {label}: {c.eval.n} held-out {c.env.name} tasks, "
+  print(f"evaluating {label}: {n} held-out {c.env.name} tasks, "
         f"{'greedy' if t == 0 else f'sampled at temperature {t:g}'} ...",
         file=sys.stderr, flush=True)
-  r = evaluate(model.config, params, model.tokenizer, env, system.agent_config(c), n=c.eval.n,
+  r = evaluate(model.config, params, model.tokenizer, env, system.agent_config(c), n=n,
                num_slots=c.eval.num_slots, greedy=t == 0, temperature=t or 1.0)
   levels = "".join(f"; {lv}: accuracy {x['accuracy']:.3f}, tool calls "
                    f"{x['tool_calls_per_trajectory']:.2f}"
@@ -51,7 +51,8 @@ def _evaluate(c, model, params, label):
 class Evals:
   """Held-out evaluations of a run: run_dir/evals.jsonl (one row per stage and version:
   `base` before the warm start, `sft` after it, `rl` during and after RL), plus
-  eval_start.json / eval_end.json. Rows already there (a resumed run) are not redone."""
+  eval_start.json / eval_end.json. Rows already there (a resumed run) are not redone.
+  Evaluations during RL (`eval.every`) use the first `eval.every_n` tasks (0: all)."""
 
   def __init__(self, c, model):
     self.c, self.model = c, model
@@ -64,11 +65,11 @@ class Evals:
   def get(self, stage, version):
     return next((r for r in self.rows if (r["stage"], r["version"]) == (stage, version)), None)
 
-  def run(self, stage, version, params, label):
+  def run(self, stage, version, params, label, n=0):
     row = self.get(stage, version)
     if row is None:
       row = {"stage": stage, "version": version,
-             **_evaluate(self.c, self.model, params, label)}
+             **_evaluate(self.c, self.model, params, label, n or self.c.eval.n)}
       self.rows.append(row)
       with open(self.path, "a") as f:
         f.write(json.dumps(row) + "\n")
@@ -152,17 +153,23 @@ def main(argv):
                          "the warm-started model" if c.sft.steps else "the starting model")
     stages["sft" if c.sft.steps else "start"] = ev_start
     timed("start_eval", t)
+    held_out = {"version": 0, "accuracy": ev_start["accuracy"]}
     json.dump(ev_start, open(path("eval_start.json"), "w"), indent=1)
+  else:
+    held_out = None
   final: dict = {}
 
   def on_update(m, service, bar):
-    bar.update(m, service)
     every = c.eval.every
     if evals and every and service.version % every == 0 and service.version < c.max_updates:
       t = time.time()
       v, params = service.weights(0)
-      evals.run("rl", v, params, f"version {v}")
+      n = c.eval.every_n or c.eval.n
+      row = evals.run("rl", v, params, f"version {v} ({n} of the {c.eval.n} tasks)"
+                      if n < c.eval.n else f"version {v}", n=n)
+      held_out.update(version=v, accuracy=row["accuracy"], n=n)
       timed("rl_evals", t)
+    bar.update(m, service, held_out=held_out)
 
   t_rl = time.time()
   try:

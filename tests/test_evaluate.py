@@ -6,7 +6,7 @@ import json
 from fr_jax import envs
 from fr_jax.evaluate import evaluate
 from fr_jax.models.tokenizer import Tokenizer
-from fr_jax.plots import plot_run
+from fr_jax.plots import panel_names, plot_run, slice_curve
 from fr_jax.rollout.agent import AgentConfig
 from fr_jax.rollout.engine import Completion
 
@@ -45,6 +45,7 @@ def test_accuracy_and_tool_calls_match_hand_count(tmp_path):
   r = evaluate(None, None, tok, env, AgentConfig(max_turns=3, max_total_tokens=4096), n=n,
                engine=AnswerEngine(tok, env, n))
   assert r["accuracy"] == 4 / 12  # k = 0, 3, 6, 9
+  assert r["item_scores"] == [1.0 if k % 3 == 0 else 0.0 for k in range(n)]
   assert r["tool_calls_per_trajectory"] == 1 / 12 and r["turns"] == 13 / 12
   assert r["truncation_rate"] == 0.0
   r3 = evaluate(None, None, tok, env, AgentConfig(max_turns=3, max_total_tokens=4096), n=n,
@@ -118,6 +119,30 @@ def test_plot_run_with_levels_and_stages(tmp_path):
                  by_level={"easy": lv(0.9, 0.5 - v / 20), "hard": lv(0.2 + v / 10, 0.5 + v / 20)})
             for st, v in (("sft", 0), ("rl", 4), ("rl", 8))]
   (tmp_path / "evals.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals))
+  data = open(plot_run(tmp_path), "rb").read()
+  assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_plot_run_held_out_curve_on_a_slice(tmp_path):
+  """Evaluations during RL on the first 4 of 10 tasks: the curve is the slice's accuracy at
+  every evaluation (the start and end ones' from their first 4 scores), the full ones are
+  markers; no tool was called, so no tool-call panel."""
+  rows = [dict(step=s, loss=0.1, reward_mean=0.1, acceptance_rate=1.0, response_length=20,
+               truncation_rate=0.0, tool_calls=0.0) for s in range(1, 7)]
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  full = lambda v, s: dict(stage="rl", version=v, n=10, accuracy=sum(s) / 10,  # noqa: E731
+                           tool_calls_per_trajectory=0.0, item_scores=s)
+  evals = [full(0, [1, 0, 0, 0, 1, 1, 0, 0, 0, 0]),
+           dict(stage="rl", version=2, n=4, accuracy=0.5, tool_calls_per_trajectory=0.0),
+           dict(stage="rl", version=4, n=4, accuracy=0.75, tool_calls_per_trajectory=0.0),
+           full(6, [1, 1, 1, 0, 1, 1, 1, 0, 1, 0])]
+  (tmp_path / "evals.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals))
+  assert slice_curve(evals) == dict(k=4, slice=[(0, 0.25), (2, 0.5), (4, 0.75), (6, 0.75)],
+                                    full=[(0, 0.3), (6, 0.7)])
+  assert slice_curve(evals[:1] + evals[3:]) is None  # one size: the plain curve
+  assert "held-out tool calls" not in panel_names(rows, evals)
+  assert "held-out tool calls" in panel_names(rows, evals[:3] + [
+      dict(evals[3], tool_calls_per_trajectory=0.1)])
   data = open(plot_run(tmp_path), "rb").read()
   assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 

@@ -223,8 +223,10 @@ def test_ctrl_c_then_the_same_command_resumes(tmp_path):
   """launch.train: SIGINT stops after the current update with a checkpoint; rerunning the same
   command continues from it to max_updates, without repeating an update."""
   run, N = str(tmp_path), 8
+  # held-out evaluations: all 6 tasks at the start and end, the first 3 every 3 updates
   cmd = [sys.executable, "-m", "launch.train", CONFIG, f"--run_dir={run}",
-         f"--config.max_updates={N}"]
+         f"--config.max_updates={N}", "--config.eval.n=6", "--config.eval.every=3",
+         "--config.eval.every_n=3"]
   p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
   wait_for(lambda: version(run) >= 2, 180, "two updates", [p])
   p.send_signal(signal.SIGINT)
@@ -241,6 +243,9 @@ def test_ctrl_c_then_the_same_command_resumes(tmp_path):
   assert {"load", "rl"} <= set(t) and min(t.values()) >= 0, t
   assert sum(t.values()) <= s["wall_s"] + 0.5 and "time per stage: load" in out.stderr
   assert [r["step"] for r in update_rows(run)] == list(range(1, N + 1))
+  evals = [json.loads(line) for line in open(os.path.join(run, "evals.jsonl"))]
+  assert [(r["version"], r["n"]) for r in evals] == [(0, 6), (3, 3), (6, 3), (N, 6)]
+  assert "held_out=" in out.stderr  # the progress line shows the last held-out figure
 
 
 def test_bad_config_fails_fast_with_one_line(tmp_path):

@@ -19,7 +19,7 @@ last stdout lines hold the before/after table and the time per stage.
 Hardware: a laptop-class CPU; 2 cores suffice. Nothing is downloaded. Expected time on 2
 cores: about 21 minutes (`make demo-agent` at the exact fixed lag, 2026-12-04: 1,226 s; base
 evaluation 35 s, warm start 346 s, its evaluation 37 s, 40 updates 728 s, two evaluations
-73 s). Measured (README, attempt 5): held-out easy items 1.00 accuracy with 0.20 tool calls,
+73 s). Measured (docs/agent_demo.md, attempt 5): held-out easy items 1.00 accuracy with 0.20 tool calls,
 hard items 0.90 accuracy with 0.96 tool calls after RL.
 """
 
@@ -33,7 +33,7 @@ def get_config():
   c.env.kwargs.hard_fraction = 0.5
   # 0.4, not the env's 0.1: at 0.2 RL called the tool everywhere (a direct answer on an easy
   # item, right ~87% of the time sampled, barely beat the tool's 0.8); at 0.5 it dropped the
-  # tool on hard items too (README: the attempts).
+  # tool on hard items too (docs/agent_demo.md: the attempts).
   c.env.kwargs.tool_cost = 0.4
   c.agent.max_turns = 3
   c.agent.max_new_tokens = 48

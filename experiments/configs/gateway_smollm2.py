@@ -1,5 +1,5 @@
 """gateway_smollm2: SmolLM2-135M-Instruct behind `launch.gateway`, trained in the same process on
-the episodes a user's agent finishes (README, "Bring your own agent").
+the episodes a user's agent finishes (docs/rollout.md, "Bring your own agent").
 
   FR_JAX_GATEWAY_KEY=secret python -m launch.gateway \
       --config=experiments/configs/gateway_smollm2.py --run_dir=runs/gateway

@@ -141,6 +141,8 @@ def default_config() -> ml_collections.ConfigDict:
 def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """Learner checks plus the run's own, and the derived fields; raises ConfigError naming
   the field. Returns `c`, remembered as validated."""
+  if c.objective.reduction == "constant_length" and c.objective.length_norm == 0:
+    c.objective.length_norm = float(c.agent.max_new_tokens)  # the longest reply of a turn
   lcfg.check_fields(c)
   if c.rollout.engine not in ENGINES:
     raise ConfigError(f"rollout.engine={c.rollout.engine!r}: choose one of {ENGINES}")

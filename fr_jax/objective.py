@@ -8,6 +8,8 @@ For trajectory i with reward R_i and T_i action tokens a_{i,t}:
                               D_i  = max(0, sum_t d_it / T_i);  m_i = [D_i <= delta]
   (3) sample-mean objective   L = -(1/B) sum_i m_i (A_i/T_i) sum_t sg(rho_it) log pi(a_it|h_it)
                               rho = exp(log pi - log mu), unclipped, constant.
+      ablations of (3)        token_mean: 1/(B T_i) -> 1/sum_j T_j;
+                              constant_length: 1/(B T_i) -> 1/(B L), L a constant (length_norm)
 
 Every function here is pure and jit-able. Two layouts share one implementation:
 
@@ -38,7 +40,10 @@ import jax.numpy as jnp
 PROB_CLAMP = 1e-6  # p and q are clamped to [1e-6, 1 - 1e-6] before the Bernoulli KL.
 DELTA = 3e-3  # the paper's trust bound on D_i: the one default (the learner config's too)
 
-REDUCTIONS = ("sample_mean", "token_mean")
+# constant_length: the weight 1/(B T_i) becomes 1/(B L) for a constant L (`length_norm`), as in
+# the reference code's variant (Dr. GRPO's): every token of the batch counts the same, and a
+# reply's weight no longer grows as it gets shorter.
+REDUCTIONS = ("sample_mean", "token_mean", "constant_length")
 TRUST_MODES = ("sequence", "token", "none")
 ADVANTAGES = ("batch_centered", "positive_only")
 
@@ -155,9 +160,16 @@ def _aux(A_N, T_N, valid_N, mask, log_rho, rho, d, seq_kl_N, admitted_N, token_a
   }
 
 
+def _length_norm(reduction, length_norm):
+  if reduction == "constant_length" and not (length_norm and length_norm > 0):
+    raise ValueError(f"reduction='constant_length' needs length_norm > 0 (the constant L in "
+                     f"1/(B L)), got {length_norm!r}")
+
+
 def _reinforce(layout, logp, behavior_logp, rewards_N, valid_N, action_mask, *, delta,
-               reduction, trust, advantage, stats):
+               reduction, trust, advantage, stats, length_norm=None):
   _check_choice("reduction", reduction, REDUCTIONS)
+  _length_norm(reduction, length_norm)
   _check_choice("trust", trust, TRUST_MODES)
   _check_choice("advantage", advantage, ADVANTAGES)
 
@@ -197,6 +209,8 @@ def _reinforce(layout, logp, behavior_logp, rewards_N, valid_N, action_mask, *, 
   if reduction == "sample_mean":
     # L = -(1/B) sum_i (A_i / T_i) sum_t m rho log pi
     coef_N = A_N / jnp.maximum(T_N, 1.0) / jnp.maximum(stats.num_trajectories, 1.0)
+  elif reduction == "constant_length":
+    coef_N = A_N / length_norm / jnp.maximum(stats.num_trajectories, 1.0)
   else:
     # token_mean: the weight 1/(B T_i) becomes 1/sum_j T_j, T over all B rows.
     coef_N = A_N / jnp.maximum(stats.num_action_tokens, 1.0)
@@ -207,7 +221,7 @@ def _reinforce(layout, logp, behavior_logp, rewards_N, valid_N, action_mask, *, 
 
 def flash_reinforce_loss(logp, behavior_logp, rewards, action_mask, *, delta=DELTA,
                          reduction="sample_mean", trust="sequence",
-                         advantage="batch_centered", stats=None):
+                         advantage="batch_centered", stats=None, length_norm=None):
   """FlashREINFORCE loss on padded arrays.
 
   Args:
@@ -216,10 +230,12 @@ def flash_reinforce_loss(logp, behavior_logp, rewards, action_mask, *, delta=DEL
     rewards: float [B].
     action_mask: bool [B, T], True for tokens the policy sampled.
     delta: trust bound on D_i (or on d_it for trust="token"); inf disables the gate.
-    reduction: "sample_mean" (paper) or "token_mean" (ablation).
+    reduction: "sample_mean" (paper), "token_mean" (ablation) or "constant_length" (the
+      reference code's variant: 1/(B L) for every trajectory, L = `length_norm`).
     trust: "sequence" (paper), "token" (token-local ablation) or "none".
     advantage: "batch_centered" (paper) or "positive_only" (A_i = R_i, ablation).
     stats: optional `BatchStats` of the whole batch (for micro-batches); default: this batch.
+    length_norm: L for reduction="constant_length" (e.g. the most tokens a reply may have).
 
   Returns:
     (loss, aux). aux: per token [B, T] (0 or False off the action tokens) `log_ratio`
@@ -233,12 +249,13 @@ def flash_reinforce_loss(logp, behavior_logp, rewards, action_mask, *, delta=DEL
   valid = jnp.ones(rewards.shape, bool)
   return _reinforce(_padded_layout(), logp, behavior_logp, rewards, valid, action_mask,
                     delta=delta, reduction=reduction, trust=trust, advantage=advantage,
-                    stats=stats)
+                    stats=stats, length_norm=length_norm)
 
 
 def flash_reinforce_loss_packed(logp, behavior_logp, action_mask, segment_ids, rewards,
                                 segment_valid, *, delta=DELTA, reduction="sample_mean",
-                                trust="sequence", advantage="batch_centered", stats=None):
+                                trust="sequence", advantage="batch_centered", stats=None,
+                                length_norm=None):
   """FlashREINFORCE loss on packed arrays; same values and gradients as the padded form.
 
   Args:
@@ -252,7 +269,7 @@ def flash_reinforce_loss_packed(logp, behavior_logp, action_mask, segment_ids, r
   layout = _packed_layout(jnp.asarray(segment_ids), rewards.shape[0])
   return _reinforce(layout, logp, behavior_logp, rewards, segment_valid, action_mask,
                     delta=delta, reduction=reduction, trust=trust, advantage=advantage,
-                    stats=stats)
+                    stats=stats, length_norm=length_norm)
 
 
 def group_advantages(rewards, group_ids, normalize_std=True, *, num_groups=None):
@@ -279,8 +296,9 @@ def group_advantages(rewards, group_ids, normalize_std=True, *, num_groups=None)
 
 
 def _ppo_clip(layout, logp, old_logp, advantages_N, valid_N, action_mask, *, clip_eps,
-              clip_eps_high, reduction, stats):
+              clip_eps_high, reduction, stats, length_norm=None):
   _check_choice("reduction", reduction, REDUCTIONS)
+  _length_norm(reduction, length_norm)
   logp, old_logp, A_N = _f32(logp), _f32(old_logp), _f32(advantages_N)
   valid_N = jnp.asarray(valid_N, bool)
   mask = jnp.asarray(action_mask, bool)
@@ -297,6 +315,8 @@ def _ppo_clip(layout, logp, old_logp, advantages_N, valid_N, action_mask, *, cli
   per_traj_N = layout.to_traj(jnp.where(mask, surr, 0.0))
   if reduction == "sample_mean":
     coef_N = 1.0 / jnp.maximum(T_N, 1.0) / jnp.maximum(stats.num_trajectories, 1.0)
+  elif reduction == "constant_length":  # Dr. GRPO's
+    coef_N = jnp.full_like(T_N, 1.0) / length_norm / jnp.maximum(stats.num_trajectories, 1.0)
   else:
     coef_N = jnp.full_like(T_N, 1.0) / jnp.maximum(stats.num_action_tokens, 1.0)
   loss = -(jnp.where(valid_N, coef_N, 0.0) * per_traj_N).sum()
@@ -311,7 +331,7 @@ def _ppo_clip(layout, logp, old_logp, advantages_N, valid_N, action_mask, *, cli
 
 
 def ppo_clip_loss(logp, old_logp, advantages, action_mask, *, clip_eps=0.2,
-                  clip_eps_high=None, reduction="sample_mean", stats=None):
+                  clip_eps_high=None, reduction="sample_mean", stats=None, length_norm=None):
   """GRPO/PPO-clip policy loss on padded arrays, for matched baselines.
 
   Args:
@@ -319,21 +339,23 @@ def ppo_clip_loss(logp, old_logp, advantages, action_mask, *, clip_eps=0.2,
       log-probs of the policy that sampled (the behaviour log-probs in an async run).
     advantages: float [B] (e.g. from `group_advantages`). action_mask: bool [B, T].
     clip_eps / clip_eps_high: lower / upper clip range (upper defaults to clip_eps).
-    reduction: "sample_mean" (GRPO: mean over tokens, then over trajectories) or
-      "token_mean" (mean over all action tokens of the batch).
+    reduction: "sample_mean" (GRPO: mean over tokens, then over trajectories),
+      "token_mean" (mean over all action tokens of the batch) or "constant_length" (token sums
+      over B L, L = `length_norm`: Dr. GRPO).
   """
   advantages = jnp.asarray(advantages)
   return _ppo_clip(_padded_layout(), logp, old_logp, advantages,
                    jnp.ones(advantages.shape, bool), action_mask, clip_eps=clip_eps,
-                   clip_eps_high=clip_eps_high, reduction=reduction, stats=stats)
+                   clip_eps_high=clip_eps_high, reduction=reduction, stats=stats,
+                   length_norm=length_norm)
 
 
 def ppo_clip_loss_packed(logp, old_logp, action_mask, segment_ids, advantages, segment_valid,
                          *, clip_eps=0.2, clip_eps_high=None, reduction="sample_mean",
-                         stats=None):
+                         stats=None, length_norm=None):
   """`ppo_clip_loss` on packed arrays (layout as in `flash_reinforce_loss_packed`)."""
   advantages = jnp.asarray(advantages)
   layout = _packed_layout(jnp.asarray(segment_ids), advantages.shape[0])
   return _ppo_clip(layout, logp, old_logp, advantages, segment_valid, action_mask,
                    clip_eps=clip_eps, clip_eps_high=clip_eps_high, reduction=reduction,
-                   stats=stats)
+                   stats=stats, length_norm=length_norm)

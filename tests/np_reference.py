@@ -20,8 +20,14 @@ def bern_kl(p, q):
   return p * math.log(p / q) + (1 - p) * math.log((1 - p) / (1 - q))
 
 
+def _weight(reduction, B, T_i, total_T, length_norm):
+  """The per-trajectory factor of the reduction: 1/(B T_i), 1/sum T or 1/(B L)."""
+  return {"sample_mean": lambda: 1.0 / (B * T_i), "token_mean": lambda: 1.0 / total_T,
+          "constant_length": lambda: 1.0 / (B * length_norm)}[reduction]()
+
+
 def flash_reinforce(logp, blogp, rewards, mask, *, delta=3e-3, reduction="sample_mean",
-                    trust="sequence", advantage="batch_centered"):
+                    trust="sequence", advantage="batch_centered", length_norm=None):
   logp = np.asarray(logp, np.float64)
   blogp = np.asarray(blogp, np.float64)
   rewards = np.asarray(rewards, np.float64)
@@ -61,7 +67,7 @@ def flash_reinforce(logp, blogp, rewards, mask, *, delta=3e-3, reduction="sample
   grad = np.zeros((B, T))
   ratios = []
   for i in range(B):
-    w = adv[i] / (B * n_act[i]) if reduction == "sample_mean" else adv[i] / total_T
+    w = adv[i] * _weight(reduction, B, n_act[i], total_T, length_norm)
     for t in range(T):
       if not mask[i, t]:
         continue
@@ -98,7 +104,8 @@ def group_advantages(rewards, group_ids, normalize_std=True):
   return np.array(out)
 
 
-def ppo_clip(logp, old_logp, adv, mask, *, eps=0.2, eps_high=None, reduction="sample_mean"):
+def ppo_clip(logp, old_logp, adv, mask, *, eps=0.2, eps_high=None, reduction="sample_mean",
+             length_norm=None):
   """PPO-clip surrogate and its gradient wrt logp (d/dlogp of r*A is r*A; clipped: 0)."""
   hi = eps if eps_high is None else eps_high
   logp = np.asarray(logp, np.float64)
@@ -108,7 +115,7 @@ def ppo_clip(logp, old_logp, adv, mask, *, eps=0.2, eps_high=None, reduction="sa
   total_T = sum(n_act)
   loss, grad = 0.0, np.zeros((B, T))
   for i in range(B):
-    w = 1.0 / (B * n_act[i]) if reduction == "sample_mean" else 1.0 / total_T
+    w = _weight(reduction, B, n_act[i], total_T, length_norm)
     for t in range(T):
       if not mask[i][t]:
         continue

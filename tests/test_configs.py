@@ -101,7 +101,9 @@ def test_paper_recipe_numbers():
 
 
 @pytest.mark.parametrize("field,value,error", [
-    ("objective.reduction", "token_mean", None), ("objective.trust", "token", None),
+    ("objective.reduction", "token_mean", None), ("objective.reduction", "constant_length", None),
+    ("objective.length_norm", -1.0, None),  # unused unless reduction=constant_length
+    ("objective.trust", "token", None),
     ("objective.trust", "none", None), ("objective.advantage", "positive_only", None),
     ("objective.delta", math.inf, None), ("minibatches", 4, None), ("objective.loss", "grpo", None),
     ("objective.trust", "bogus", "objective.trust"), ("rollout.engine", "vllm", "rollout.engine"),
@@ -117,3 +119,13 @@ def test_ablations_are_one_field(field, value, error):
   else:
     with pytest.raises(rcfg.ConfigError, match=error):
       rcfg.validate(c)
+  if value == "constant_length":  # L defaults to the longest reply a turn may sample
+    assert c.objective.length_norm == c.agent.max_new_tokens == 64
+
+
+def test_constant_length_needs_a_positive_length():
+  c = importlib.import_module("experiments.configs.cpu_default").get_config()
+  c.update_from_flattened_dict({"objective.reduction": "constant_length",
+                                "objective.length_norm": -2.0})
+  with pytest.raises(rcfg.ConfigError, match="objective.length_norm > 0"):
+    rcfg.validate(c)

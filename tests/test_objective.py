@@ -57,6 +57,21 @@ def test_gradient_vector_by_hand(reduction, advantage, want_loss, want_grad):
   assert aux["acceptance_rate"] == 1.0
 
 
+def test_constant_length_gradient_by_hand():
+  """constant_length with L = 4: every trajectory's weight is A_i / (B L) = A_i / 8, whatever
+  its length (sample_mean gave the 2-token row half the 1-token row's per-token weight)."""
+  c = GRAD_CASE
+  loss, g, _ = _loss_and_grad(
+      obj.flash_reinforce_loss, c["logp"], c["behavior_logp"], c["rewards"], c["action_mask"],
+      delta=math.inf, reduction="constant_length", length_norm=4.0)
+  assert loss == pytest.approx(-((0.5 / 8) * (ln(0.5) + 2 * ln(0.25)) - (0.5 / 8) * ln(0.8)),
+                               abs=1e-6)
+  np.testing.assert_allclose(g, [[-1 / 16, -1 / 8, 0.0], [1 / 16, 0.0, 0.0]], atol=1e-6)
+  with pytest.raises(ValueError, match="length_norm > 0"):
+    obj.flash_reinforce_loss(c["logp"], c["behavior_logp"], c["rewards"], c["action_mask"],
+                             reduction="constant_length")
+
+
 def test_gate_vector_by_hand():
   # row 0: p = q = 1/2 twice -> D = 0.  row 1: (p=1/2, q=0.6) and (p = q = 0.9) ->
   # D = [1/2 ln(0.5/0.6) + 1/2 ln(0.5/0.4)] / 2.  row 2: p = q = 0.9 -> D = 0.
@@ -140,7 +155,7 @@ def _safe_delta(values, rng):
 
 
 VARIANTS = list(itertools.product(
-    ["sample_mean", "token_mean"], ["sequence", "token", "none"],
+    ["sample_mean", "token_mean", "constant_length"], ["sequence", "token", "none"],
     ["batch_centered", "positive_only"]))
 
 
@@ -156,7 +171,8 @@ def test_matches_numpy_reference(reduction, trust, advantage, seed):
     ds = [ref.bern_kl(math.exp(blogp[i, t]), math.exp(logp[i, t]))
           for i, t in zip(*np.nonzero(mask))]
     delta = _safe_delta(ds, rng)
-  kw = dict(delta=delta, reduction=reduction, trust=trust, advantage=advantage)
+  kw = dict(delta=delta, reduction=reduction, trust=trust, advantage=advantage,
+            length_norm=7.0 if reduction == "constant_length" else None)
   want_loss, want_grad, want = ref.flash_reinforce(logp, blogp, rewards, mask, **kw)
   loss, g, aux = _loss_and_grad(obj.flash_reinforce_loss, logp, blogp, rewards, mask, **kw)
 
@@ -234,16 +250,17 @@ def test_ppo_clip_by_hand():
   assert aux["clip_fraction"] == pytest.approx(0.5)
 
 
-@pytest.mark.parametrize("reduction", ["sample_mean", "token_mean"])
+@pytest.mark.parametrize("reduction", ["sample_mean", "token_mean", "constant_length"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_ppo_clip_random(reduction, seed):
   rng = np.random.default_rng(seed)
   logp, blogp, _, mask = random_case(rng, drift=0.4)
   old = np.where(mask, blogp, 0.0)
   adv = rng.standard_normal(logp.shape[0])
+  L = 9.0 if reduction == "constant_length" else None
   want_loss, want_grad = ref.ppo_clip(logp, old, adv, mask, eps=0.2, eps_high=0.28,
-                                      reduction=reduction)
+                                      reduction=reduction, length_norm=L)
   loss, g, _ = _loss_and_grad(obj.ppo_clip_loss, logp, old, adv, mask, clip_eps=0.2,
-                              clip_eps_high=0.28, reduction=reduction)
+                              clip_eps_high=0.28, reduction=reduction, length_norm=L)
   assert loss == pytest.approx(want_loss, rel=1e-5, abs=1e-7)
   np.testing.assert_allclose(g, want_grad, rtol=1e-5, atol=1e-7)

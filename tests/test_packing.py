@@ -181,7 +181,7 @@ def packed_loss_fn(batch, **kw):
 
 @pytest.mark.parametrize("reduction,trust,advantage", list(itertools.product(
     ["sample_mean", "token_mean"], ["sequence", "token", "none"],
-    ["batch_centered", "positive_only"])))
+    ["batch_centered", "positive_only"])) + [("constant_length", "sequence", "batch_centered")])
 def test_packed_equals_padded(reduction, trust, advantage):
   rng = np.random.default_rng(zlib.crc32(f"{reduction}-{trust}-{advantage}".encode()))
   trajs = make_trajs(rng, 24, reward_levels=3)
@@ -189,7 +189,8 @@ def test_packed_equals_padded(reduction, trust, advantage):
   spec = PackingSpec(row_len=48, row_buckets=(24,), max_segments_per_row=8)
   (batch,) = pack(trajs, spec).batches  # 24 rows always hold 24 trajectories
   logp_pad, blogp_pad, rewards, mask = padded(trajs, lps)
-  kw = dict(delta=3e-3, reduction=reduction, trust=trust, advantage=advantage)
+  kw = dict(delta=3e-3, reduction=reduction, trust=trust, advantage=advantage,
+            length_norm=64.0 if reduction == "constant_length" else None)
 
   (l_pad, a_pad), g_pad = jax.value_and_grad(
       lambda lp: obj.flash_reinforce_loss(lp, blogp_pad, rewards, mask, **kw),

@@ -47,6 +47,7 @@ def step_config(c: ml_collections.ConfigDict, model_config) -> step.StepConfig:
   moe = model_config.is_moe
   return step.StepConfig(
       model=model_config, loss=o.loss, delta=float(o.delta), reduction=o.reduction,
+      length_norm=float(o.length_norm),
       trust=o.trust, advantage=o.advantage, clip_eps=float(o.clip_eps),
       clip_eps_high=float(o.clip_eps_high), temperature=float(o.temperature),
       # Supervised data (launch.sft) was not sampled by an engine: nothing to replay.

@@ -57,7 +57,10 @@ def default_config() -> ml_collections.ConfigDict:
   c.objective = ml_collections.ConfigDict(dict(
       loss="flash_reinforce",  # grpo, or sft (launch.sft sets it)
       delta=obj.DELTA,  # sequence trust bound; inf disables the gate
-      reduction="sample_mean",
+      reduction="sample_mean",  # token_mean, or constant_length (1/(B L), L = length_norm)
+      # constant_length's L; 0: the run config sets agent.max_new_tokens (the longest reply
+      # a turn may sample)
+      length_norm=0.0,
       trust="sequence",
       advantage="batch_centered",
       clip_eps=0.2,  # grpo only
@@ -171,6 +174,9 @@ def check_fields(c: ml_collections.ConfigDict) -> None:
                         ("advantage", obj.ADVANTAGES)):
     if o[name] not in allowed:
       raise ConfigError(f"objective.{name}={o[name]!r}: choose one of {allowed}")
+  if o.reduction == "constant_length" and not o.length_norm > 0:
+    raise ConfigError(f"objective.reduction=constant_length needs objective.length_norm > 0 "
+                      f"(the constant L in 1/(B L)), got {o.length_norm}")
   if not (o.delta >= 0 or math.isinf(o.delta)):
     raise ConfigError(f"objective.delta={o.delta} must be >= 0 (inf disables the gate)")
   if o.temperature <= 0:

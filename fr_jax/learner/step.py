@@ -52,6 +52,7 @@ class StepConfig:
   loss: str  # flash_reinforce, grpo (batch.rewards then holds advantages) or sft
   delta: float
   reduction: str
+  length_norm: float  # reduction=constant_length: L in 1/(B L)
   trust: str
   advantage: str
   clip_eps: float
@@ -113,12 +114,12 @@ def _grads_and_sums(params, batch, stats: obj.BatchStats, sc: StepConfig):
       loss, aux = obj.flash_reinforce_loss_packed(
           logp, batch.behavior_logp, batch.action_mask, batch.segment_ids, batch.rewards,
           batch.segment_valid, delta=sc.delta, reduction=sc.reduction, trust=sc.trust,
-          advantage=sc.advantage, stats=stats)
+          advantage=sc.advantage, stats=stats, length_norm=sc.length_norm)
     else:
       loss, aux = obj.ppo_clip_loss_packed(
           logp, batch.behavior_logp, batch.action_mask, batch.segment_ids, batch.rewards,
           batch.segment_valid, clip_eps=sc.clip_eps, clip_eps_high=sc.clip_eps_high,
-          reduction=sc.reduction, stats=stats)
+          reduction=sc.reduction, stats=stats, length_norm=sc.length_norm)
     if sc.router_aux_loss_coef:
       loss = loss + sc.router_aux_loss_coef * routing.balance
     return loss, (aux, entropy, routing)

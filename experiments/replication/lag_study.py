@@ -18,8 +18,8 @@ flash_async and flash_sync runs as base_lag2 and base_lag0 where their settings 
 
 A run **drifts** (issue 56's criterion) when its held-out truncation ends above 0.3 or its
 training length rises: the mean over its last 8 updates above 1.15 x the mean over its first 8
-(healthy runs shorten their replies as they learn: 0.6-1.05 x on the first 14 runs measured;
-the drifting one, 1.5 x).
+(healthy runs keep or shorten their replies as they learn: 0.69-1.07 x on the first 9 healthy
+runs measured; the drifting one, 1.53 x).
 
 --mechanism=variant:seed,... plots, per run, what issue 56 asks to see per update: training
 length, truncation and reward; the gate's acceptance by length quartile and by advantage sign,
@@ -51,16 +51,28 @@ LENGTH_RISE = 1.15
 TRUNCATION_DRIFT = 0.3
 
 
-def _pair(name: str, **over) -> dict:
+def _pair(name: str, setting: dict | None = None, **over) -> dict:
   """`name`_lag2 (the system at a fixed lag of 2, as `make demo`) and `name`_lag0
-  (synchronous), both with the config changes `over` (dotted keys)."""
-  o = tuple(sorted(over.items()))
-  return {f"{name}_lag2": LMSetting(**HEAD, system=True, lag=2, overrides=o),
-          f"{name}_lag0": LMSetting(**HEAD, overrides=o)}
+  (synchronous), both with the config changes `over` (dotted keys, `__` for `.`) and the
+  setting's changes `setting` (LMSetting fields)."""
+  o = tuple(sorted((k.replace("__", "."), v) for k, v in over.items()))
+  head = {**HEAD, **(setting or {})}
+  return {f"{name}_lag2": LMSetting(**head, system=True, lag=2, overrides=o),
+          f"{name}_lag0": LMSetting(**head, overrides=o)}
 
 
+# Issue 56, step 3: the paper's own knobs, one at a time against today's demo settings.
 VARIANTS: dict[str, LMSetting] = {
-    **_pair("base"),  # today's demo settings
+    **_pair("base"),  # today's demo settings: temperature 0.6, delta 3e-3, lr 5e-6, 5 warm-up
+    **_pair("temp1", objective__temperature=1.0),  # the paper's sampling temperature
+    **_pair("delta5e3", objective__delta=5e-3),  # the paper's long-CoT bound
+    **_pair("delta1e2", objective__delta=1e-2),  # the paper's MoE bound
+    **_pair("lr2e6", optim__lr=2e-6),  # nearer the paper's 1e-6
+    **_pair("warm10", optim__warmup_frac=10 / 36),  # a 10-update warm-up
+    **_pair("constlen", objective__reduction="constant_length"),  # the reference's variant
+    # B = 64 at the same 768 rollouts: 12 updates of an 18-update schedule (the same share)
+    **_pair("b64", dict(batch_size=64, updates=12, schedule=18, eval_every=6),
+            rollout__inflight=64, rollout__num_slots=64, service__queue_capacity=64),
 }
 IMPORTED = {"base_lag2": "flash_async", "base_lag0": "flash_sync"}
 

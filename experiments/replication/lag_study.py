@@ -190,12 +190,14 @@ def report(results: dict) -> str:
   return "\n".join(out + summary + paired) + "\n"
 
 
-def _series(curve: list, key: str):
+SMOOTH = 3  # the gate and KL panels: trailing mean over this many updates (B = 32 is noisy)
+
+
+def _series(curve: list, key: str, smooth: int = 1):
+  from fr_jax.plots import moving_average
   x = [p["version"] for p in curve if key in p]
-  return x, [p[key] for p in curve if key in p]
-
-
-P_BINS = ("p0_50", "p50_90", "p90_99", "p99_999", "p999_1")
+  y = [p[key] for p in curve if key in p]
+  return x, (list(moving_average(y, smooth)) if smooth > 1 and y else y)
 
 
 def plot_mechanism(results: dict, picks: list[str], path: Path):
@@ -228,12 +230,12 @@ def plot_mechanism(results: dict, picks: list[str], path: Path):
     tw.legend(loc="upper right", fontsize=7)
     ax = axes[1, j]
     for q in range(1, 5):
-      ax.plot(*_series(c, f"gate/acceptance_len_q{q}"), label=f"length quartile {q}")
-    ax.set_ylabel("gate acceptance")
+      ax.plot(*_series(c, f"gate/acceptance_len_q{q}", SMOOTH), label=f"length quartile {q}")
+    ax.set_ylabel(f"gate acceptance ({SMOOTH}-update mean)")
     ax.legend(fontsize=7)
     ax = axes[2, j]
     for sign, color in (("pos", "C2"), ("neg", "C3")):
-      ax.plot(*_series(c, f"gate/acceptance_adv_{sign}"), color=color,
+      ax.plot(*_series(c, f"gate/acceptance_adv_{sign}", SMOOTH), color=color,
               label=f"acceptance, A {'>' if sign == 'pos' else '<'} 0")
     ax.set_ylabel("gate acceptance")
     ax.legend(loc="lower left", fontsize=7)
@@ -243,9 +245,11 @@ def plot_mechanism(results: dict, picks: list[str], path: Path):
     tw.axhline(0, color="k", lw=0.5)
     tw.legend(loc="lower right", fontsize=7)
     ax = axes[3, j]
+    from fr_jax.learner.step import P_BINS
     for k, name in enumerate(P_BINS):
-      ax.plot(*_series(c, f"d_by_p/{name}/token_kl"), color=f"C{k}", label=f"mean d, {name}")
-      ax.plot(*_series(c, f"d_by_p/{name}/over_delta"), color=f"C{k}", ls=":")
+      ax.plot(*_series(c, f"d_by_p/{name}/token_kl", SMOOTH), color=f"C{k}",
+              label=f"mean d, {name}")
+      ax.plot(*_series(c, f"d_by_p/{name}/over_delta", SMOOTH), color=f"C{k}", ls=":")
     ax.set_yscale("log")
     ax.set_ylabel("d (solid); share d > delta (dotted)")
     ax.legend(fontsize=6, ncol=2)

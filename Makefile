@@ -19,7 +19,7 @@ AGENT_DIR ?= runs/agent
 REPLICATION_DIR ?= runs/replication
 
 help:
-	@echo "make demo      install .venv if needed, train SmolLM2-135M on arithmetic (13-25 min, CPU)"
+	@echo "make demo      install .venv if needed, train SmolLM2-135M on arithmetic (13-26 min, CPU)"
 	@echo "               SEED=n: another seed (prompts and samples); docs/demo.md"
 	@echo "make demo-agent  SmolLM2 learns when to call the Python tool: SFT warm start, then"
 	@echo "               FlashREINFORCE, evaluated per difficulty (~21 min, CPU)"

@@ -18,8 +18,8 @@ class Progress:
     self.bar.n = service.version
     extra = {}
     if held_out is not None:
-      n = f", n={held_out['n']}" if held_out.get("n") else ""
-      extra["held_out"] = f"{held_out['accuracy']:.3f}@v{held_out['version']}{n}"
+      n = f", {held_out['n']} tasks" if held_out.get("n") else ""
+      extra["held_out"] = f"{held_out['accuracy']:.3f} (v{held_out['version']}{n})"
     self.bar.set_postfix(reward=f"{m['reward_mean']:.3f}", accept=f"{m['acceptance_rate']:.2f}",
                          tok_s=f"{m['tokens_per_s']:.0f}", lag=m["policy_lag_max"],
                          queue=len(service.queue), **extra, refresh=False)

@@ -153,7 +153,7 @@ def main(argv):
                          "the warm-started model" if c.sft.steps else "the starting model")
     stages["sft" if c.sft.steps else "start"] = ev_start
     timed("start_eval", t)
-    held_out = {"version": 0, "accuracy": ev_start["accuracy"]}
+    held_out = {"version": 0, "accuracy": ev_start["accuracy"], "n": c.eval.n}
     json.dump(ev_start, open(path("eval_start.json"), "w"), indent=1)
   else:
     held_out = None

@@ -35,7 +35,7 @@ DOCUMENTED = {
                     "lr 5e-6": (lambda c: c.optim.lr, 5e-6),
                     "5-update": (lambda c: round(c.optim.warmup_frac * c.max_updates), 5),
                     "200 test problems": (lambda c: c.eval.n, 200),
-                    "first 64 every 6": (lambda c: (c.eval.every_n, c.eval.every), (64, 6))},
+                    "first 64 every 9": (lambda c: (c.eval.every_n, c.eval.every), (64, 9))},
     "qwen25_7b_tool": {"600 steps": (lambda c: c.max_updates, 600),
                        "8+ GPUs for the learner (fsdp)": (lambda c: c.mesh.fsdp >= 8, True)},
     "qwen3_30b_a3b_tool": {"800 steps": (lambda c: c.max_updates, 800),

@@ -18,7 +18,7 @@ start and the end and the gain in points, the final response length and truncati
 and start-up, the two evaluations, the update loop; the learner's busy time and compile time
 inside it), the peak resident memory and the machine. Then a summary line: the gains, their
 minimum and median, and whether every run reached `--min_gain` points with length and
-truncation not rising. As long as `make demo` a run (13-25 minutes on 2 cores, docs/times.md).
+truncation not rising. As long as `make demo` a run (13-26 minutes on 2 cores, docs/times.md).
 """
 
 from __future__ import annotations

@@ -7,10 +7,10 @@ machine, with greedy held-out accuracy on 200 test problems before and after.
   python -m launch.train --config=experiments/configs/cpu_default.py --run_dir=runs/demo
 
 Hardware: a laptop-class CPU; 2 cores suffice, with about 14 GB of memory. Nothing is
-downloaded. Expected time: 13-25 minutes on 2 cores, alone, depending on the CPU and the
+downloaded. Expected time: 13-26 minutes on 2 cores, alone, depending on the CPU and the
 machine's day, plus about 2 for the first install (docs/times.md): 36 updates of B=32 and
 the evaluations. Held-out accuracy (greedy) on all 200 test problems at the start and the
-end, and on the first 64 every 6 updates (the plot's curve and the progress line). Measured:
+end, and on the first 64 every 9 updates (the plot's curve and the progress line). Measured:
 0.17 -> 0.36 (seed 3; docs/demo.md has every seed).
 
 Settings (docs/demo.md says why): 36 updates of 32 trajectories at lr 5e-6 after a 5-update
@@ -55,7 +55,7 @@ def get_config():
   c.service.queue_capacity = 32
   c.checkpoint.every = 4
   c.eval.n = 200
-  c.eval.every = 6
+  c.eval.every = 9
   c.eval.every_n = 64
   c.eval.num_slots = 32
   return c

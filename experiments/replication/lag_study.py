@@ -21,11 +21,11 @@ training length rises: the mean over its last 8 updates above 1.15 x the mean ov
 (healthy runs keep or shorten their replies as they learn: 0.69-1.07 x on the first 9 healthy
 runs measured; the drifting one, 1.53 x).
 
---mechanism=variant:seed,... plots, per run, what issue 56 asks to see per update: training
-length, truncation and reward; the gate's acceptance by length quartile and by advantage sign,
-and sum_i m_i A_i; the Bernoulli KL by the behaviour probability p (the learner's `d_by_p/`
-metrics) and log pi(EOS) at the replies' stop tokens. Runs made before those metrics existed
-plot what they have.
+--mechanism=variant:seed,... (or dir:RUN_DIR, a `make demo` run) plots, per run, what issue 56
+asks to see per update: training length, truncation and reward; the gate's acceptance by length
+quartile and by advantage sign, and sum_i m_i A_i; the Bernoulli KL by the behaviour probability
+p (the learner's `d_by_p/` metrics) and log pi(EOS) at the replies' stop tokens. Runs made
+before those metrics existed plot what they have.
 """
 
 from __future__ import annotations
@@ -200,18 +200,37 @@ def _series(curve: list, key: str, smooth: int = 1):
   return x, (list(moving_average(y, smooth)) if smooth > 1 and y else y)
 
 
+def run_from_dir(run_dir: str) -> dict:
+  """A `launch.train` run directory (`make demo`'s runs/demo) as a study run: its curve from
+  metrics.jsonl, its start and end from evals.jsonl."""
+  from experiments.replication.driver import DIAGNOSTIC_PREFIXES
+  from fr_jax.learner.metrics import read_jsonl
+  d = Path(run_dir)
+  rows = [m for m in read_jsonl(d / "metrics.jsonl") if "loss" in m]
+  curve = [dict(version=m["step"], length=m["response_length"],
+                truncation=m["truncation_rate"], reward=m["reward_mean"],
+                **{k: v for k, v in m.items() if k.startswith(DIAGNOSTIC_PREFIXES)})
+           for m in rows]
+  evals = sorted((e for e in read_jsonl(d / "evals.jsonl") if e["stage"] == "rl"),
+                 key=lambda e: e["version"])
+  full = [e for e in evals if e["n"] == max(x["n"] for x in evals)]
+  return dict(curve=curve, start=full[0], end=full[-1],
+              gain={"accuracy": full[-1]["accuracy"] - full[0]["accuracy"]})
+
+
 def plot_mechanism(results: dict, picks: list[str], path: Path):
-  """One column per run (variant:seed), five panels per column (module docstring)."""
+  """One column per run (variant:seed, or dir:PATH for a `launch.train` run directory), five
+  panels per column (module docstring)."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   cols = []
   for pick in picks:
     v, _, seed = pick.partition(":")
-    r = results["runs"].get(v, {}).get(seed)
+    r = run_from_dir(seed) if v == "dir" else results["runs"].get(v, {}).get(seed)
     if r is None:
       raise app.UsageError(f"--mechanism={pick}: no such run in {F.out}")
-    cols.append((pick, r))
+    cols.append((Path(seed).name if v == "dir" else pick, r))
   fig, axes = plt.subplots(5, len(cols), figsize=(5.5 * len(cols), 16), squeeze=False,
                            sharex=True)
   for j, (pick, r) in enumerate(cols):
@@ -301,7 +320,8 @@ def define_flags():
   flags.DEFINE_string("import_from", "", "a replication results.json whose headline_lm "
                       "flash_async / flash_sync runs count as base_lag2 / base_lag0")
   flags.DEFINE_bool("report", False, "write the tables (and --mechanism plots) without running")
-  flags.DEFINE_list("mechanism", [], "variant:seed runs to plot (mechanism.png)")
+  flags.DEFINE_list("mechanism", [], "variant:seed runs, or dir:RUN_DIR run directories, to "
+                    "plot (mechanism.png)")
 
 
 if __name__ == "__main__":

@@ -62,14 +62,16 @@ class Evals:
       with open(self.path) as f:
         self.rows = [json.loads(line) for line in f if line.strip()]
 
-  def get(self, stage, version):
-    return next((r for r in self.rows if (r["stage"], r["version"]) == (stage, version)), None)
+  def get(self, stage, version, n):
+    return next((r for r in self.rows if (r["stage"], r["version"], r["n"]) == (stage, version, n)),
+                None)
 
   def run(self, stage, version, params, label, n=0):
-    row = self.get(stage, version)
+    n = n or self.c.eval.n
+    row = self.get(stage, version, n)
     if row is None:
       row = {"stage": stage, "version": version,
-             **_evaluate(self.c, self.model, params, label, n or self.c.eval.n)}
+             **_evaluate(self.c, self.model, params, label, n)}
       self.rows.append(row)
       with open(self.path, "a") as f:
         f.write(json.dumps(row) + "\n")
@@ -153,7 +155,8 @@ def main(argv):
                          "the warm-started model" if c.sft.steps else "the starting model")
     stages["sft" if c.sft.steps else "start"] = ev_start
     timed("start_eval", t)
-    held_out = {"version": 0, "accuracy": ev_start["accuracy"], "n": c.eval.n}
+    last = max((r for r in evals.rows if r["stage"] in ("sft", "rl")), key=lambda r: r["version"])
+    held_out = {"version": last["version"], "accuracy": last["accuracy"], "n": last["n"]}
     json.dump(ev_start, open(path("eval_start.json"), "w"), indent=1)
   else:
     held_out = None

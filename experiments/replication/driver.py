@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import tempfile
 import time
 from collections.abc import Callable
@@ -242,6 +243,25 @@ def _eval(s: Setting, model_cfg, params, tok) -> dict:
 # `experiments.replication.mechanism`): the gate by length and advantage sign, the stop
 # token's log-prob, the Bernoulli KL by behaviour probability.
 DIAGNOSTIC_PREFIXES = ("gate/", "eos/", "d_by_p/")
+
+
+def open_results(out: str, empty: dict) -> tuple:
+  """A replication output directory: created, warm starts cached under it, and its
+  results.json read (or `empty`). Returns (path of results.json, results)."""
+  global CACHE_DIR
+  out = Path(out)
+  out.mkdir(parents=True, exist_ok=True)
+  CACHE_DIR = str(out / "warm")
+  path = out / "results.json"
+  return path, (json.loads(path.read_text()) if path.exists() else empty)
+
+
+def save_json(results: dict, path) -> None:
+  """results.json written whole or not at all (a temporary file, then a rename)."""
+  path = Path(path)
+  tmp = path.with_suffix(".tmp")
+  tmp.write_text(json.dumps(results, separators=(",", ":"), default=float))
+  tmp.replace(path)
 
 
 def curve_point(m: dict, version: int) -> dict:

@@ -117,9 +117,8 @@ def _import(results: dict, path: Path):
 
 
 def _save(results: dict, path: Path):
-  tmp = path.with_suffix(".tmp")
-  tmp.write_text(json.dumps(results, separators=(",", ":"), default=float))
-  tmp.replace(path)
+  from experiments.replication import driver
+  driver.save_json(results, path)
 
 
 def run_all(results: dict, variants: list[str], seeds: list[int], path: Path):
@@ -290,11 +289,8 @@ def main(argv):
   if bad:
     raise app.UsageError(f"--variants: unknown {bad}; choose from {sorted(VARIANTS)}")
   out = Path(F.out)
-  out.mkdir(parents=True, exist_ok=True)
   from experiments.replication import driver
-  driver.CACHE_DIR = str(out / "warm")
-  path = out / "results.json"
-  results = json.loads(path.read_text()) if path.exists() else {"runs": {}}
+  path, results = driver.open_results(out, {"runs": {}})
   for v, runs in results["runs"].items():  # a variant whose settings changed: not mixed
     if v in VARIANTS and any(r["settings"] != settings(VARIANTS[v]) for r in runs.values()):
       raise app.UsageError(f"{path}: {v}'s runs were made with other settings than today's "

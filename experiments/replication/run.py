@@ -220,9 +220,8 @@ def _write(results: dict, path: Path, out: Path):
 
 
 def _save_json(results: dict, path: Path):
-  tmp = path.with_suffix(".tmp")
-  tmp.write_text(json.dumps(results, separators=(",", ":"), default=float))
-  tmp.replace(path)
+  from experiments.replication import driver
+  driver.save_json(results, path)
 
 
 def main(argv):
@@ -236,11 +235,8 @@ def main(argv):
   if F.seeds < 2:
     raise app.UsageError(f"--seeds={F.seeds}: intervals need at least 2 seeds")
   out = Path(F.out)
-  out.mkdir(parents=True, exist_ok=True)
   from experiments.replication import driver
-  driver.CACHE_DIR = str(out / "warm")
-  path = out / "results.json"
-  results = json.loads(path.read_text()) if path.exists() else {"comparisons": {}}
+  path, results = driver.open_results(out, {"comparisons": {}})
   t_all = time.perf_counter()
   for n in names:
     c = comps.get(n)

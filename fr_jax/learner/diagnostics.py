@@ -109,4 +109,5 @@ def record_metrics(trajs, lags_B, packed, segments, *, counterfactual: bool,
       other_B=(per["other_abs_dlogp_sum"], per["other_token_kl_sum"])
       if routed and counterfactual else None,
       replay=replay, stopped_B=[t.finish_reason == "stop" for t in trajs],
-      last_logp_B=per["last_logp"], last_behavior_logp_B=per["last_behavior_logp"])
+      last_logp_B=per["last_logp"],
+      last_behavior_logp_B=[t.behavior_logp[np.flatnonzero(t.action_mask)[-1]] for t in trajs])

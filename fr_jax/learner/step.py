@@ -186,11 +186,10 @@ def _grads_and_sums(params, batch, stats: obj.BatchStats, sc: StepConfig):
       "drift_sum": obj.segment_sum(drift.astype(f32), batch.segment_ids, S),
       "other_abs_dlogp_sum": obj.segment_sum(other_abs, batch.segment_ids, S),
       "other_token_kl_sum": obj.segment_sum(other_kl, batch.segment_ids, S),
-      # The learner's and the behaviour's log-prob of each reply's last sampled token: the
-      # stop token's (EOS) for a reply that was not truncated (the host picks those).
+      # The learner's log-prob of each reply's last sampled token: the stop token's (EOS)
+      # for a reply that was not truncated (the host picks those, and has the behaviour's).
       "last_logp": _last_action(aux["log_ratio"] + batch.behavior_logp, mask,
                                 batch.segment_ids, S),
-      "last_behavior_logp": _last_action(batch.behavior_logp, mask, batch.segment_ids, S),
   }
   return grads, sums, maxes, segment
 

@@ -249,7 +249,7 @@ def warm_start(c, model, out_dir: str, *, stop=None, progress: bool = True, on_s
     for k in range(start, c.sft.steps):
       if stop is not None and stop.is_set():
         break
-      if done_when is not None and done_when(k, learner.params):
+      if done_when is not None and done_when(k, learner.policy_params()):
         done = True
         break
       idx = batch_indices(len(records), c.sft.batch_size, k, c.sft.seed)

@@ -54,6 +54,10 @@ def main(argv):
   if ck:
     params, meta = common.read_checkpoint(d / str(step))
     run = meta["config"]["model"]["name"]
+    from fr_jax.models import lora
+    fields = lora.config_fields(meta["config"]["model"])
+    if fields:  # a LoRA run: the model its adapters compute
+      params = lora.merged(params, model.config.replace(**fields))
     shapes = {k: a.shape for k, a in flatten(model.params).items()}
     common.check_params(params, shapes, c.model.name,
                         f" (the run trained {run!r}: evaluate it with the run's --config)")

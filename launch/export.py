@@ -4,6 +4,7 @@ r"""Export a training run's checkpoint for serving: a Hugging Face directory or 
   python -m launch.export --checkpoint=runs/demo --format=gguf --dtype=f16 --out=/tmp/demo-gguf
   python -m launch.export --checkpoint=runs/demo/checkpoints --step=20 --format=gguf \
       --dtype=q8_0 --out=/tmp/demo.q8_0.gguf
+  python -m launch.export --checkpoint=runs/lora --format=peft --out=/tmp/lora-adapter
 
 --checkpoint is a run directory written by `launch.train` (its `checkpoints/` holds the
 Orbax steps) or that `checkpoints/` directory itself; --step picks a committed step (default:
@@ -20,6 +21,14 @@ only), so the base model's files must still be where the run found them.
                  names the file; otherwise it is a directory and the file is
                  model-{dtype}.gguf in it. The tokenizer is copied from the base model's
                  GGUF, or built from its byte-level BPE tokenizer.
+  --format=peft  a run trained with LoRA (model.lora.rank > 0): the adapters as a PEFT
+                 adapter directory (adapter_config.json, adapter_model.safetensors, f32),
+                 and the base model it adapts as a HF directory in its base/ (named by the
+                 adapter config's base_model_name_or_path), so that
+                 `peft.AutoPeftModelForCausalLM.from_pretrained(OUT)` loads the pair.
+
+A LoRA run's hf and gguf exports hold the merged model (each adapter folded into its
+weight: `fr_jax.models.lora.merged`).
 
 Progress lines go to stderr; the last stdout line is a JSON summary. A bad flag, a missing
 checkpoint or step and a model that cannot be written in the format print one line and exit
@@ -39,8 +48,8 @@ from launch import common
 
 flags.DEFINE_string("checkpoint", None, "a run directory (with checkpoints/) or its "
                     "checkpoints/ directory")
-flags.DEFINE_enum("format", None, ["hf", "gguf"], "hf: safetensors directory; gguf: one "
-                  "llama.cpp file")
+flags.DEFINE_enum("format", None, ["hf", "gguf", "peft"], "hf: safetensors directory; gguf: "
+                  "one llama.cpp file; peft: a LoRA run's adapters (and base/)")
 flags.DEFINE_string("out", None, "output directory (gguf: or a .gguf file path)")
 flags.DEFINE_integer("step", None, "checkpoint step to export (default: the newest committed)")
 flags.DEFINE_enum("dtype", "f32", ["f32", "bf16", "f16", "q8_0"],
@@ -49,7 +58,7 @@ for _name in ("checkpoint", "format", "out"):
   flags.mark_flag_as_required(_name)
 FLAGS = flags.FLAGS
 
-DTYPES = {"hf": ("f32", "bf16"), "gguf": ("f32", "f16", "q8_0")}
+DTYPES = {"hf": ("f32", "bf16"), "gguf": ("f32", "f16", "q8_0"), "peft": ("f32",)}
 log = logging.getLogger("fr_jax.export")
 
 
@@ -58,7 +67,8 @@ log = logging.getLogger("fr_jax.export")
 def model_of_run(config: dict, params):
   """The run's ModelConfig (as the learner built it), tokenizer and source GGUF reader,
   checked against the checkpoint's parameter shapes."""
-  from fr_jax.models import decoder, registry
+  from fr_jax.models import decoder, lora, registry
+  from fr_jax.models.config import ConfigError
   from fr_jax.models.hf_io import CheckpointError
   from fr_jax.transport.codec import flatten
   m = config["model"]
@@ -69,8 +79,12 @@ def model_of_run(config: dict, params):
     raise common.UsageError(f"the run's model.name={m['name']!r}: {e} (a relative path is read "
                             "from this directory; run from where the run was started)") from None
   # As the learner builds it; the head is tied where the checkpoint has no lm_head.
-  cfg = cfg.replace(param_dtype=m["param_dtype"], compute_dtype=m["compute_dtype"],
-                    attention=m["attention"], tie_embeddings="lm_head" not in params)
+  try:
+    cfg = cfg.replace(param_dtype=m["param_dtype"], compute_dtype=m["compute_dtype"],
+                      attention=m["attention"], tie_embeddings="lm_head" not in params,
+                      **lora.config_fields(m))
+  except ConfigError as e:
+    raise common.UsageError(f"the run's model config: {e}") from None
   common.check_params(params, flatten(decoder.param_shapes(cfg)), m["name"])
   return cfg, tok, reader
 
@@ -86,6 +100,7 @@ def export(checkpoint: str, fmt: str, out: str, step=None, dtype: str = "f32") -
   t0 = time.perf_counter()
   log.info("reading step %d from %s (parameters only)", step, d)
   params, meta = common.read_checkpoint(d / str(step))
+  import jax
   import numpy as np
 
   from fr_jax.transport.codec import flatten
@@ -97,10 +112,27 @@ def export(checkpoint: str, fmt: str, out: str, step=None, dtype: str = "f32") -
   cfg, tok, reader = model_of_run(meta["config"], params)
   log.info("model %s (%s family): config and tokenizer read in %.1fs",
            meta["config"]["model"]["name"], cfg.family, time.perf_counter() - t1)
-  from fr_jax.models import gguf_io, hf_io
+  from fr_jax.models import gguf_io, hf_io, lora
+  if fmt == "peft" and not cfg.lora_rank:
+    raise common.UsageError("--format=peft exports LoRA adapters, and this run trained none "
+                            "(model.lora.rank = 0): use --format=hf or --format=gguf")
+  if fmt != "peft" and cfg.lora_rank:
+    log.info("folding the LoRA adapters (rank %d) into their weights", cfg.lora_rank)
+    params = jax.tree.map(np.asarray, lora.merged(params, cfg))
+    cfg = cfg.replace(lora_rank=0, lora_targets=())
   t1 = time.perf_counter()
   try:
-    if fmt == "hf":
+    if fmt == "peft":
+      _, base = lora.split(params)
+      base_dir = Path(out).absolute() / "base"
+      log.info("writing the base model (HF, f32) to %s", base_dir)
+      base_cfg = cfg.replace(lora_rank=0, lora_targets=())
+      hf_io.export_hf(base_dir, base, base_cfg, tok)
+      log.info("writing the PEFT adapter (rank %d, targets %s) to %s", cfg.lora_rank,
+               ",".join(cfg.lora_targets), out)
+      path = hf_io.save_peft(out, params, cfg, base_model=str(base_dir))
+      files = sorted(str(p) for p in [*path.iterdir(), *base_dir.iterdir()] if p.is_file())
+    elif fmt == "hf":
       import ml_dtypes
       np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bf16" else np.dtype(np.float32)
       params = {k: _cast(v, np_dtype) for k, v in params.items()}

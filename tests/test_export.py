@@ -20,7 +20,7 @@ import transformers
 
 from experiments.configs import tiny_test
 from fr_jax.learner.learner import Learner
-from fr_jax.models import decoder, registry
+from fr_jax.models import decoder, lora, registry
 from fr_jax.models.gguf_io import (
   load_gguf,
   save_gguf,
@@ -275,8 +275,17 @@ def moe_run(tmp_path_factory):
   return _random_run(tmp_path_factory.mktemp("moe_run"), "tiny-chat-moe", seed=10)
 
 
-def _random_run(run, model_name, seed, eos_scale=1.0):
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+  """tiny_run's checkpoint for tiny_test with LoRA (rank 4, every projection), its
+  adapters random too."""
+  return _random_run(tmp_path_factory.mktemp("lora_run"), "tiny-chat", seed=11,
+                     **{"model.lora.rank": 4, "model.lora.alpha": 8.0})
+
+
+def _random_run(run, model_name, seed, eos_scale=1.0, **over):
   c = tiny_test.get_config()
+  c.update_from_flattened_dict(over)
   c.model.name = model_name
   c.checkpoint.dir = str(run / "checkpoints")
   learner = Learner(c)
@@ -330,7 +339,7 @@ def test_export_errors_are_one_line(tiny_run, tmp_path):
   run, _, _ = tiny_run
   cases = [  # --checkpoint's errors: test_evaluate_and_export_resolve_checkpoint_alike
       ((f"--checkpoint={run}", "--format=onnx", f"--out={tmp_path / 'o'}"),
-       "error: flag --format=onnx: value should be one of <hf|gguf>"),
+       "error: flag --format=onnx: value should be one of <hf|gguf|peft>"),
       ((f"--checkpoint={run}", "--format=gguf", "--dtype=bf16", f"--out={tmp_path / 'o'}"),
        "error: --dtype=bf16 is not available for --format=gguf: choose one of"),
   ]
@@ -423,3 +432,39 @@ def test_export_moe_hf_loads_in_transformers_and_gguf_is_refused(moe_run, tmp_pa
   assert r.returncode == 2 and last.startswith("error: family 'qwen3_moe'"), r.stderr
   assert "qwen3moe GGUF tensor layout" in last and last.endswith("--format=hf"), r.stderr
   assert not (tmp_path / "g").exists()
+
+
+def test_export_lora_as_peft_and_merged(lora_run, tiny_run, tmp_path):
+  """A LoRA run: --format=peft loads with PEFT (adapter and base/) and --format=hf holds the
+  merged model; both give the adapted model's logits in transformers."""
+  import peft
+  run, cfg, params = lora_run
+  assert cfg.lora_rank == 4 and "wq_lora_a" in params["layers"]
+  ids = Tokenizer.byte_level().encode(TEXT)
+  ours = logits(params, cfg, ids)
+  r = _export(f"--checkpoint={run}", "--format=peft", f"--out={tmp_path / 'peft'}")
+  assert r.returncode == 0, r.stderr
+  out = json.loads(r.stdout.strip().splitlines()[-1])
+  assert out["format"] == "peft" and str(tmp_path / "peft" / "base" / "config.json") in out["files"]
+  model = peft.AutoPeftModelForCausalLM.from_pretrained(
+      tmp_path / "peft", attn_implementation="eager", dtype=torch.float32).eval()
+  with torch.no_grad():
+    got = model(torch.as_tensor([ids])).logits[0].numpy()
+    base = model.get_base_model()
+    with model.disable_adapter():
+      without = model(torch.as_tensor([ids])).logits[0].numpy()
+  assert np.abs(got - ours).max() <= 1e-5, np.abs(got - ours).max()
+  assert np.abs(without - got).max() > 0.1 and type(base) is transformers.LlamaForCausalLM
+  r = _export(f"--checkpoint={run}", "--format=hf", f"--out={tmp_path / 'hf'}")
+  assert r.returncode == 0, r.stderr
+  assert "folding the LoRA adapters (rank 4) into their weights" in r.stderr
+  merged = transformers.AutoModelForCausalLM.from_pretrained(
+      tmp_path / "hf", attn_implementation="eager", dtype=torch.float32).eval()
+  with torch.no_grad():
+    got = merged(torch.as_tensor([ids])).logits[0].numpy()
+  # The merged model is what fr_jax's engines run (lora.merged); folding A B into W rounds
+  # differently from applying them on the fly, within float32's noise on these logits.
+  plain = cfg.replace(lora_rank=0, lora_targets=())
+  want = logits(jax.tree.map(np.asarray, lora.merged(params, cfg)), plain, ids)
+  assert np.abs(got - want).max() <= 1e-5, np.abs(got - want).max()
+  assert np.abs(got - ours).max() <= 1e-4, np.abs(got - ours).max()

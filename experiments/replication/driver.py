@@ -292,7 +292,7 @@ def rl_loop(learner, engine, loop, env, *, updates: int, lag: int, batch_size: i
   time."""
   t_train = time.perf_counter()
   paused = 0.0
-  snapshots = {0: jax.device_get(learner.params) if params0 is None else params0}
+  snapshots = {0: jax.device_get(learner.policy_params()) if params0 is None else params0}
   prompts = iter(prompt_dataset(env, "train", seed=seed))
   covered: set = set()
   curve = []
@@ -312,7 +312,7 @@ def rl_loop(learner, engine, loop, env, *, updates: int, lag: int, batch_size: i
       validate(t, **learner.record_limits)  # this loop's admission
     rollouts += len(trajs)
     m = learner.update(trajs, log_ids=False)
-    snapshots[learner.version] = jax.device_get(learner.params)
+    snapshots[learner.version] = jax.device_get(learner.policy_params())
     for old in [k for k in snapshots if k < learner.version - lag]:
       del snapshots[old]
     curve.append(dict(curve_point(m, learner.version), rollouts=rollouts,
@@ -343,7 +343,7 @@ def run(s: Setting, seed: int, *, log: Callable[[str], None] | None = None) -> d
   r = rl_loop(learner, engine, loop, env, updates=s.updates, lag=s.lag,
               batch_size=s.batch_size, seed=seed, minibatches=s.minibatches,
               group_size=s.group_size, params0=params0, log=log)
-  end = _eval(s, cfg, learner.params, tok)
+  end = _eval(s, cfg, learner.policy_params(), tok)
   learner.close()
   return dict(seed=seed, warm_start=warm, start=start, end=end, **r,
               wall_s=round(time.perf_counter() - t0, 2))

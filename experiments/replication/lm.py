@@ -191,7 +191,7 @@ def _run_driver(c, s: LMSetting, seed: int, model, env, evaluate_at, log):
   setup = time.perf_counter() - t0
 
   def on_update(p):  # the curve's clock starts at rl_loop: add the set-up
-    evaluate_at(dict(p, wall_s=round(p["wall_s"] + setup, 2)), learner.params)
+    evaluate_at(dict(p, wall_s=round(p["wall_s"] + setup, 2)), learner.policy_params())
 
   r = driver.rl_loop(learner, engine, loop, env, updates=s.updates, lag=s.lag,
                      batch_size=s.batch_size, seed=seed, group_size=s.group_size,
@@ -199,7 +199,7 @@ def _run_driver(c, s: LMSetting, seed: int, model, env, evaluate_at, log):
   for p in r["curve"]:
     p["wall_s"] = round(p["wall_s"] + setup, 2)
   r["train_wall_s"] = round(r["train_wall_s"] + setup, 2)
-  params = learner.params
+  params = learner.policy_params()
   learner.close()
   return r, params
 

@@ -23,7 +23,7 @@ from fr_jax import objective as obj
 from fr_jax.learner import config as lcfg
 from fr_jax.learner import mesh as meshlib
 from fr_jax.learner import optim, step
-from fr_jax.models import decoder
+from fr_jax.models import decoder, lora
 from fr_jax.packing import pack
 from fr_jax.trajectory import Trajectory
 
@@ -71,7 +71,11 @@ def learner_model_config(c: ml_collections.ConfigDict, model_config):
                               # meshlib.params_sharding splits expert stacks over this axis
                               expert_shard_axis="fsdp" if model_config.is_moe else None,
                               expert_parallel_axis="expert" if ep > 1 else None,
-                              moe_capacity_factor=float(c.model.get("moe_capacity_factor", 0.0)))
+                              moe_capacity_factor=float(c.model.get("moe_capacity_factor", 0.0)),
+                              **lora.config_fields(c.model))
+
+
+
 
 
 def state_shardings(params, optimizer, mesh):

@@ -49,7 +49,11 @@ def default_config() -> ml_collections.ConfigDict:
       # has (dropless: memory for mesh.expert x its pairs); c > 0 = c x pairs / mesh.expert,
       # the pairs past them dropped (metric expert_drop_rate).
       moe_capacity_factor=0.0,
-      seed=0,  # init seed for random (tiny) models
+      # LoRA (fr_jax.models.lora, docs/lora.md): rank > 0 adds rank-r adapters, scale
+      # alpha / rank, on the `targets` projections (wq wk wv wo w_gate w_up w_down, or the HF
+      # names q_proj ...; an MoE model's experts take none) and trains only them.
+      lora=dict(rank=0, alpha=16.0, targets="wq,wk,wv,wo,w_gate,w_up,w_down"),
+      seed=0,  # init seed for random (tiny) models and LoRA's A
       # the registry SHAPES entry of this model's architecture: `launch.compile_check`
       # compiles the update from it, without the checkpoint
       shapes="",

@@ -39,7 +39,7 @@ from fr_jax.learner import diagnostics, multihost, optim, quarantine, step
 from fr_jax.learner import mesh as meshlib
 from fr_jax.learner.metrics import MetricsWriter
 from fr_jax.learner.programs import PROGRAMS
-from fr_jax.models import hf_shards, registry
+from fr_jax.models import hf_shards, lora, registry
 from fr_jax.models.hf_io import export_hf
 from fr_jax.packing import pack
 from fr_jax.trajectory import Trajectory
@@ -71,6 +71,9 @@ class Learner:
     dtype = jnp.dtype(c.model.param_dtype)
     # A copy: updates donate the state's buffers, which must never alias the caller's model.
     params = jax.tree.map(lambda a: jnp.array(a, dtype, copy=True), model.params)
+    # LoRA: fresh adapters (B = 0) on the base, unless the model carries them already.
+    params = lora.init_adapters(params, self.model_config,
+                                jax.random.fold_in(jax.random.key(c.model.seed), 0x10A))
     params = meshlib.put(params, meshlib.params_sharding(params, self.mesh))
     self._state_shardings = compiling.state_shardings(params, self.optimizer, self.mesh)
     self.state = jax.jit(lambda p: step.init_state(p, self.optimizer),
@@ -114,7 +117,19 @@ class Learner:
 
   @property
   def params(self):
+    """The current parameters, LoRA adapters (if any) included: what the update trains."""
     return self.state.params
+
+  def policy_params(self, params=None):
+    """The plain model the (current) parameters compute, adapters folded in
+    (`lora.merged`): what engines run and HF exports hold. Without adapters, `params`
+    itself."""
+    params = self.state.params if params is None else params
+    if not lora.has_adapters(params):
+      return params
+    if self._merge is None:
+      self._merge = jax.jit(lambda p: lora.merged(p, self.model_config))
+    return self._merge(params)
 
   @property
   def record_limits(self) -> dict:
@@ -338,16 +353,19 @@ class Learner:
   def snapshot_params(self):
     """A copy of the current parameters that the next update cannot donate: on device
     where this process holds them all, else gathered to host memory (on every process)."""
-    if all(a.is_fully_addressable for a in jax.tree.leaves(self.state.params)):
-      params = jax.tree.map(jnp.copy, self.state.params)
+    params = self.policy_params()  # with adapters: a new (merged) tree, not donated
+    if all(a.is_fully_addressable for a in jax.tree.leaves(params)):
+      if params is self.state.params:
+        params = jax.tree.map(jnp.copy, params)
       return jax.block_until_ready(params)
     from jax.experimental import multihost_utils
-    return multihost_utils.process_allgather(self.state.params, tiled=True)
+    return multihost_utils.process_allgather(params, tiled=True)
 
   shard_sink = None  # a transport.shards.ShardHost on every process (launch.learner sets it)
   _shard_manifest = None
   _shard_pool = None
   _shard_job = None
+  _merge = None  # the jitted lora.merged, compiled on first use
 
   @multihost.collective
   def publish_shards(self, version: int) -> None:
@@ -360,7 +378,9 @@ class Learner:
     if self.shard_sink is None:
       return
     self.wait_shards()  # one version in the works at a time: at most one more device copy
-    params, cfg = jax.tree.map(jnp.copy, self.state.params), self.model_config
+    params, cfg = self.policy_params(), self.model_config
+    if params is self.state.params:
+      params = jax.tree.map(jnp.copy, params)
     if self._shard_manifest is None or self._shard_manifest.dtype != self.shard_sink.dtype:
       self._shard_manifest = hf_shards.manifest_of(params, cfg, self.shard_sink.dtype)
     m, sink, host = self._shard_manifest, self.shard_sink, jax.process_index()
@@ -384,7 +404,7 @@ class Learner:
   def export_hf(self, path, params=None) -> str:
     """Writes the parameters (default: the current ones) as a HF safetensors directory
     (for SGLang)."""
-    params = jax.device_get(self.state.params if params is None else params)
+    params = jax.device_get(self.policy_params(params))
     return str(export_hf(path, params, self.model_config, self.tokenizer))
 
   @multihost.collective

@@ -30,14 +30,14 @@ import jax.numpy as jnp
 import optax
 
 from fr_jax import objective as obj
-from fr_jax.models import scoring
+from fr_jax.models import lora, scoring
 from fr_jax.models.config import ModelConfig
 
 
 class TrainState(NamedTuple):
   step: jax.Array  # int32: optimizer steps applied (= the policy version of `params`)
-  params: Any
-  opt_state: Any
+  params: Any  # the whole model, LoRA adapters (if any) included
+  opt_state: Any  # of the trainable part only (`lora.split`: the adapters, or everything)
   skipped: jax.Array  # int32: batches refused by the non-finite guard
 
 
@@ -67,7 +67,7 @@ class StepConfig:
 
 
 def init_state(params, optimizer: optax.GradientTransformation) -> TrainState:
-  return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params),
+  return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(lora.split(params)[0]),
                     jnp.zeros((), jnp.int32))
 
 
@@ -92,12 +92,15 @@ def _last_action(x_RxL, mask, segment_ids, S):
 
 
 def _grads_and_sums(params, batch, stats: obj.BatchStats, sc: StepConfig):
-  """Gradient, metric sums and per-trajectory values [S] of one micro-batch's share of the
-  batch objective."""
+  """Gradient (of the trainable part: `lora.split`), metric sums and per-trajectory values
+  [S] of one micro-batch's share of the batch objective. With LoRA adapters the frozen base
+  weights are constants of the loss: no gradient of theirs is computed."""
 
   routes = batch.routes if sc.replay else None  # the learner packs routes under replay
+  trainable, frozen = lora.split(params)
 
-  def loss_fn(params):
+  def loss_fn(trainable):
+    params = lora.join(trainable, frozen)
     logp, entropy, routing = scoring.score_packed(
         params, sc.model, batch.tokens, batch.targets, batch.positions, batch.segment_ids,
         sc.temperature, remat=sc.remat, routes=routes, routing_out=True,
@@ -124,7 +127,7 @@ def _grads_and_sums(params, batch, stats: obj.BatchStats, sc: StepConfig):
       loss = loss + sc.router_aux_loss_coef * routing.balance
     return loss, (aux, entropy, routing)
 
-  (loss, (aux, entropy, routing)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+  (loss, (aux, entropy, routing)), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
   mask = batch.action_mask
   valid = batch.segment_valid
   f32 = jnp.float32
@@ -222,12 +225,13 @@ def update(state: TrainState, acc: dict | None, batch, stats, *, sc: StepConfig,
   ok = jnp.isfinite(sums["loss"]) & jnp.isfinite(grad_norm)
   # Zero non-finite grads before the optimizer so the (discarded) branch stays NaN-free.
   safe = jax.tree.map(lambda g: jnp.where(ok, g, 0.0), grads)
-  updates, opt_state = optimizer.update(safe, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
+  trainable, frozen = lora.split(state.params)
+  updates, opt_state = optimizer.update(safe, state.opt_state, trainable)
+  new = optax.apply_updates(trainable, updates)
   keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa
   new_state = TrainState(
       step=state.step + ok.astype(jnp.int32),
-      params=keep(params, state.params),
+      params=lora.join(keep(new, trainable), frozen),
       opt_state=keep(opt_state, state.opt_state),
       skipped=state.skipped + (~ok).astype(jnp.int32))
   n_traj = jnp.maximum(sums["trajectories"], 1.0)

@@ -19,6 +19,11 @@ ATTENTION_IMPLS = ("auto", "naive", "flash", "pallas_gpu", "splash_tpu")
 # times the work: tests, tiny models); "auto" is "gmm" where the program is compiled for a GPU
 # (XLA:GPU expands ragged_dot densely) and "ragged" elsewhere, decided at lowering.
 MOE_IMPLS = ("auto", "ragged", "gmm", "dense")
+# The projections LoRA adapters can target (fr_jax.models.lora), by the decoder's names, with
+# the HF/PEFT module names they may also be given by.
+LORA_TARGETS = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj",
+                "w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}
+LORA_MLP = ("w_gate", "w_up", "w_down")
 
 
 class ConfigError(ValueError):
@@ -80,6 +85,12 @@ class ModelConfig:
   # Expert parallelism's slots per rank: 0 = a device's every pair (dropless); c > 0 =
   # ceil(c * pairs / ranks), the pairs past them dropped and counted (Routing.dropped).
   moe_capacity_factor: float = 0.0
+  # LoRA (fr_jax.models.lora): rank-r adapters with scale alpha / r on `lora_targets` (names
+  # from LORA_TARGETS, ours or HF's); rank 0 = none. The learner then trains the adapters
+  # only. An MoE model's experts take none (its attention projections can).
+  lora_rank: int = 0
+  lora_alpha: float = 16.0
+  lora_targets: tuple[str, ...] = ()
 
   def __post_init__(self):
     if self.family not in FAMILIES:
@@ -114,6 +125,40 @@ class ModelConfig:
       if bad:
         raise ConfigError(f"mlp_only_layers={list(self.mlp_only_layers)}: {bad} are not "
                           f"layers of a {self.num_layers}-layer model")
+    self._check_lora()
+
+  def _check_lora(self):
+    targets = self.lora_targets  # a tuple or list, or a string "wq,wv" (flags)
+    if isinstance(targets, str):
+      targets = [t for t in targets.replace(",", " ").split() if t]
+    hf = {v: k for k, v in LORA_TARGETS.items()}
+    unknown = [t for t in targets if t not in LORA_TARGETS and t not in hf]
+    if unknown:
+      raise ConfigError(f"lora_targets: {unknown} are not projections; choose from "
+                        f"{list(LORA_TARGETS)} (or their HF names {list(hf)})")
+    ours = tuple(dict.fromkeys(hf.get(t, t) for t in targets))
+    object.__setattr__(self, "lora_targets", tuple(t for t in LORA_TARGETS if t in ours))
+    if self.lora_rank < 0:
+      raise ConfigError(f"lora_rank={self.lora_rank} must be >= 0 (0: no adapters)")
+    if self.lora_rank and not self.lora_targets:
+      raise ConfigError(f"lora_rank={self.lora_rank} with no lora_targets: name the "
+                        f"projections to adapt, e.g. {list(LORA_TARGETS)}")
+    if self.lora_rank and not self.lora_alpha > 0:
+      raise ConfigError(f"lora_alpha={self.lora_alpha} must be > 0")
+    if self.lora_rank and self.is_moe and set(self.lora_targets) & set(LORA_MLP):
+      raise ConfigError(
+          f"lora_targets={list(self.lora_targets)} on a qwen3_moe model: adapters on the "
+          "experts (experts_gate, experts_up, experts_down) are not supported; target the "
+          "attention projections (wq, wk, wv, wo)")
+
+  @property
+  def lora_scale(self) -> float:
+    """alpha / r, the adapters' scale (PEFT's `scaling`). Asked of a config without LoRA
+    (params that carry adapters the config does not describe), a ConfigError."""
+    if not self.lora_rank:
+      raise ConfigError("these params carry LoRA adapters but the model config has "
+                        "lora_rank=0: pass the config they were trained with")
+    return self.lora_alpha / self.lora_rank
 
   # --- mixture of experts ---
   @property

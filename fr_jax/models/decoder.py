@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from fr_jax.models import lora
 from fr_jax.models.attention import attend, attend_cache, packed_visibility
 from fr_jax.models.config import ModelConfig
 from fr_jax.models.moe import assemble_routing, moe_block, moe_shapes, stack_layer
@@ -63,15 +64,17 @@ def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes.update(bo=(D,))
   if cfg.qk_norm:
     shapes.update(q_norm=(hd,), k_norm=(hd,))
+  shapes.update(lora.adapter_shapes(cfg, shapes))
   return shapes
 
 
 def mlp_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-  """A dense layer's SwiGLU MLP."""
+  """A dense layer's SwiGLU MLP (with its LoRA adapters, if any)."""
   D, F = cfg.hidden_size, cfg.intermediate_size
   shapes = {"w_gate": (D, F), "w_up": (D, F), "w_down": (F, D)}
   if cfg.mlp_bias:
     shapes.update(b_gate=(F,), b_up=(F,), b_down=(D,))
+  shapes.update(lora.adapter_shapes(cfg, shapes))
   return shapes
 
 
@@ -93,14 +96,17 @@ STACKS = ("layers", "moe", "mlp")  # subtrees whose leaves carry a leading stack
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, std: float = 0.02) -> Params:
-  """Random params: normal(0, std) matrices, ones for norms, zeros for biases."""
+  """Random params: normal(0, std) matrices, ones for norms, zeros for biases, LoRA adapters
+  as `lora.init_leaf` draws them (B = 0)."""
   dtype = jnp.dtype(cfg.param_dtype)
   flat, tree = jax.tree.flatten_with_path(param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
   keys = jax.random.split(key, len(flat))
   leaves = []
   for (path, shape), k in zip(flat, keys):
     name = path[-1].key
-    if name.endswith("norm"):
+    if lora.is_adapter(name):
+      leaves.append(lora.init_leaf(name, shape, k, dtype))
+    elif name.endswith("norm"):
       leaves.append(jnp.ones(shape, dtype))
     elif name.startswith("b"):  # biases
       leaves.append(jnp.zeros(shape, dtype))
@@ -122,6 +128,15 @@ def dense(x, w, b=None, cd=F32):
   return y if b is None else y + b.astype(F32)
 
 
+def project(cfg: ModelConfig, x, lp, w: str, b: str | None, cd):
+  """x times the layer's projection `w` (plus its bias `b`, and its LoRA adapter: scale x A B,
+  when the layer has one)."""
+  y = dense(x, lp[w], lp.get(b), cd)
+  if w + "_lora_a" in lp:
+    y = y + cfg.lora_scale * dense(dense(x, lp[w + "_lora_a"], cd=cd), lp[w + "_lora_b"], cd=cd)
+  return y
+
+
 def decode_layout(params: Params, cfg: ModelConfig) -> Params:
   """The same weights with the layer stack split into a tuple of per-layer dicts, and each
   layer's q/k/v and gate/up projections fused into one matrix each (`wqkv`, `w_gate_up`).
@@ -131,9 +146,11 @@ def decode_layout(params: Params, cfg: ModelConfig) -> Params:
   `forward` then runs the layers as an unrolled loop over separate buffers. For decoding a
   few tokens this matters: a scan over stacked weights copies each layer's slice out of the
   stack on every step, doubling the weight traffic that bounds decode speed; and five
-  matmuls per layer instead of seven cut the per-step op count.
+  matmuls per layer instead of seven cut the per-step op count. LoRA adapters are folded
+  into their projections (`lora.merged`).
   """
   out = {k: v for k, v in params.items() if k not in STACKS}
+  params = lora.merged(params, cfg)  # adapters folded in once: decoding pays nothing for them
   layers = []
   for i, (stack, j) in enumerate(_feed_forward_source(cfg)):
     lp = jax.tree.map(lambda a, i=i: a[i], params["layers"])
@@ -204,8 +221,8 @@ def _attention(cfg: ModelConfig, h, lp, cos, sin, vis, cache_kv, cache_start, wi
   if "wqkv" in lp:  # decode layout: one fused projection
     q, k, v = jnp.split(dense(x, lp["wqkv"], lp.get("bqkv"), cd), [H * hd, (H + KVH) * hd], -1)
   else:
-    q, k, v = (dense(x, lp[w], lp.get(b), cd) for w, b in (("wq", "bq"), ("wk", "bk"),
-                                                            ("wv", "bv")))
+    q, k, v = (project(cfg, x, lp, w, b, cd) for w, b in (("wq", "bq"), ("wk", "bk"),
+                                                           ("wv", "bv")))
   q, k, v = q.reshape(B, L, H, hd), k.reshape(B, L, KVH, hd), v.reshape(B, L, KVH, hd)
   if cfg.qk_norm:
     q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
@@ -218,7 +235,7 @@ def _attention(cfg: ModelConfig, h, lp, cos, sin, vis, cache_kv, cache_start, wi
   else:
     a = attend(q, k, v, vis, cd, cfg.attention)
   a = a.reshape(B, L, H * hd)
-  return h + dense(a, lp["wo"], lp.get("bo"), cd), cache_kv
+  return h + project(cfg, a, lp, "wo", "bo", cd), cache_kv
 
 
 def _mlp(cfg: ModelConfig, x, lp):
@@ -226,9 +243,9 @@ def _mlp(cfg: ModelConfig, x, lp):
   if "w_gate_up" in lp:
     g, u = jnp.split(dense(x, lp["w_gate_up"], lp.get("b_gate_up"), cd), 2, -1)
   else:
-    g = dense(x, lp["w_gate"], lp.get("b_gate"), cd)
-    u = dense(x, lp["w_up"], lp.get("b_up"), cd)
-  return dense(jax.nn.silu(g) * u, lp["w_down"], lp.get("b_down"), cd)
+    g = project(cfg, x, lp, "w_gate", "b_gate", cd)
+    u = project(cfg, x, lp, "w_up", "b_up", cd)
+  return project(cfg, jax.nn.silu(g) * u, lp, "w_down", "b_down", cd)
 
 
 def _layer(cfg: ModelConfig, h, lp, cos, sin, vis, cache_kv, cache_start, window=None,

@@ -27,8 +27,8 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from fr_jax import durable
-from fr_jax.models import decoder
-from fr_jax.models.config import ModelConfig, from_hf_config, to_hf_config
+from fr_jax.models import decoder, lora
+from fr_jax.models.config import LORA_TARGETS, ModelConfig, from_hf_config, to_hf_config
 
 # fr_jax per-layer name -> (HF name under model.layers.{i}., transpose)
 _LAYER_NAMES = {
@@ -161,9 +161,9 @@ def params_from_hf_tensors(tensors: Mapping[str, np.ndarray], cfg: ModelConfig, 
       out[j] = take(name, shape[1:], transpose)
     return out
 
-  def per_layer(tree, layers):
+  def per_layer(tree, layers):  # the base weights (a LoRA config's adapters are not HF's)
     return {k: stacked(shape, [f"model.layers.{i}.{_LAYER_NAMES[k][0]}" for i in layers],
-                       _LAYER_NAMES[k][1]) for k, shape in tree.items()}
+                       _LAYER_NAMES[k][1]) for k, shape in tree.items() if k in _LAYER_NAMES}
 
   params = {k: np.ascontiguousarray(take(hf_name, shapes[k], False).astype(dtype, copy=False))
             for k, hf_name in _TOP_NAMES.items() if k in shapes}
@@ -254,7 +254,9 @@ def iter_hf_tensors(params, cfg: ModelConfig):
   """(HF name, NumPy array in HF layout) for each tensor, one at a time; linear weights are
   transposed views, not copies, so a caller can convert and write them one by one. A
   Qwen3-MoE model's experts come one expert at a time, in the released checkpoints' names,
-  from one sparse layer's stack on the host at a time (`hf_blocks`)."""
+  from one sparse layer's stack on the host at a time (`hf_blocks`). LoRA adapters are
+  folded into their projections first (`lora.merged`): the plain model they compute."""
+  params = lora.merged(params, cfg)
   for path, layout in hf_leaves(cfg).items():
     group, _, leaf = path.rpartition("/")
     a = params[group][leaf] if group else params[leaf]
@@ -362,3 +364,48 @@ def untie_head(path) -> bool:
     files[index_file.name] = json.dumps(index, indent=2)
   durable.write_files(path, files)
   return True
+
+
+# --- PEFT adapters ---------------------------------------------------------------------------
+
+PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+_PEFT_PREFIX = "base_model.model."
+
+
+def _peft_modules(cfg: ModelConfig) -> dict[tuple[str, str], list[str]]:
+  """(stack, projection) -> the HF module path (under model.layers.{i}.) of each of the
+  stack's layers, for the projections LoRA targets."""
+  layers = {"layers": list(range(cfg.num_layers)), "mlp": list(cfg.dense_layers)}
+  return {(stack, w): [f"model.layers.{i}.{_LAYER_NAMES[w][0].removesuffix('.weight')}"
+                       for i in idx] for stack, idx in layers.items() for w in cfg.lora_targets}
+
+
+def save_peft(path, params, cfg: ModelConfig, *, base_model: str = "") -> Path:
+  """Writes the LoRA adapters of `params` as a PEFT adapter directory (adapter_config.json,
+  adapter_model.safetensors) that `peft.PeftModel.from_pretrained` loads onto the base model
+  (the HF export of the same params without adapters: `save_hf` of `lora.split`'s frozen
+  part). PEFT's lora_A.weight is [r, in] and lora_B.weight [out, r]: ours transposed.
+  Written whole or not at all (`durable.write_files`)."""
+  if not cfg.lora_rank or not lora.has_adapters(params):
+    raise ValueError("these params have no LoRA adapters (model.lora.rank = 0): export them "
+                     "with --format=hf")
+  tensors = {}
+  modules = _peft_modules(cfg)
+  for stack in ("layers", "mlp"):
+    for leaf, a in params.get(stack, {}).items():
+      if not lora.is_adapter(leaf):
+        continue
+      w, ab = leaf.rsplit("_lora_", 1)
+      for module, block in zip(modules[(stack, w)], np.asarray(a)):
+        name = f"{_PEFT_PREFIX}{module}.lora_{ab.upper()}.weight"
+        tensors[name] = np.ascontiguousarray(np.swapaxes(block, -1, -2))
+  config = {
+      "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+      "r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "lora_dropout": 0.0, "bias": "none",
+      "target_modules": sorted(LORA_TARGETS[t] for t in cfg.lora_targets),
+      "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+      "init_lora_weights": True, "modules_to_save": None, "inference_mode": True,
+  }
+  files = {PEFT_WEIGHTS: lambda p: save_file(tensors, str(p), metadata={"format": "pt"}),
+           PEFT_CONFIG: json.dumps(config, indent=2)}
+  return durable.write_files(Path(path), files)

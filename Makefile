@@ -21,6 +21,7 @@ REPLICATION_DIR ?= runs/replication
 help:
 	@echo "make demo      install .venv if needed, train SmolLM2-135M on arithmetic (13-26 min, CPU)"
 	@echo "               SEED=n: another seed (prompts and samples); docs/demo.md"
+	@echo "               LORA=1: train LoRA adapters only (docs/lora.md)"
 	@echo "make demo-agent  SmolLM2 learns when to call the Python tool: SFT warm start, then"
 	@echo "               FlashREINFORCE, evaluated per difficulty (~21 min, CPU)"
 	@echo "make test      install .venv and .venv-vllm if needed, lint, then run the fast test suite"
@@ -61,8 +62,10 @@ $(STAMP): requirements.txt requirements-dev.txt requirements-model.txt
 	@touch $(STAMP)
 
 # SEED sets env.seed: the prompts and the rollouts' sampling seeds (make demo SEED=3).
+# LORA=1: the same job training LoRA adapters only (experiments/configs/cpu_lora.py).
 demo: $(STAMP)
-	$(VPY) -m launch.train --config=experiments/configs/cpu_default.py --run_dir=$(DEMO_DIR) \
+	$(VPY) -m launch.train --config=experiments/configs/$(if $(LORA),cpu_lora,cpu_default).py \
+	  --run_dir=$(if $(LORA),$(DEMO_DIR)_lora,$(DEMO_DIR)) \
 	  $(if $(SEED),--config.env.seed=$(SEED))
 
 demo-agent: $(STAMP)

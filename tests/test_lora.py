@@ -194,6 +194,20 @@ def test_learner_trains_the_adapters_only_on_a_mesh_as_on_one_device(tmp_path):
     L.close()
 
 
+def test_a_bfloat16_base_trains_float32_adapters():
+  L = Learner(tiny_config(**{"model.lora.rank": 4, "model.param_dtype": "bfloat16"}),
+              devices=jax.devices()[:1])
+  trainable, frozen = lora.split(L.params)
+  assert {a.dtype for a in jax.tree.leaves(frozen)} == {jnp.dtype(jnp.bfloat16)}
+  assert {a.dtype for a in jax.tree.leaves(trainable)} == {jnp.dtype(jnp.float32)}
+  before, frozen = jax.tree.map(np.asarray, (trainable, frozen))  # the update donates them
+  L.update(batches(1)[0])
+  after, frozen_after = lora.split(L.params)
+  assert max_diff(after, before) > 1e-4 and max_diff(frozen_after, frozen) == 0.0
+  assert {a.dtype for a in jax.tree.leaves(after)} == {jnp.dtype(jnp.float32)}
+  L.close()
+
+
 def test_lora_config_errors_name_the_problem():
   cfg = registry.TINY_CONFIGS["tiny-qwen3-moe"]
   with pytest.raises(ConfigError, match="experts"):

@@ -114,7 +114,7 @@ def compile_update_from_shapes(config: ml_collections.ConfigDict, model_config, 
   optimizer, lr_schedule = optim.make_optimizer(c.optim), optim.schedule(c.optim)
   dtype = jnp.dtype(c.model.param_dtype)
   shapes = jax.eval_shape(lambda: decoder.init_params(model_config, jax.random.key(0)))
-  shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, dtype), shapes)
+  shapes = jax.eval_shape(lambda p: lora.cast(p, dtype), shapes)  # adapters stay float32
   params = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
                         shapes, meshlib.params_sharding(shapes, mesh))
   shardings = state_shardings(params, optimizer, mesh)

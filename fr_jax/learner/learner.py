@@ -70,7 +70,7 @@ class Learner:
     self.lr_schedule = optim.schedule(c.optim)
     dtype = jnp.dtype(c.model.param_dtype)
     # A copy: updates donate the state's buffers, which must never alias the caller's model.
-    params = jax.tree.map(lambda a: jnp.array(a, dtype, copy=True), model.params)
+    params = lora.cast(model.params, dtype)
     # LoRA: fresh adapters (B = 0) on the base, unless the model carries them already.
     params = lora.init_adapters(params, self.model_config,
                                 jax.random.fold_in(jax.random.key(c.model.seed), 0x10A))

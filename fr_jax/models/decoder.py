@@ -96,8 +96,8 @@ STACKS = ("layers", "moe", "mlp")  # subtrees whose leaves carry a leading stack
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, std: float = 0.02) -> Params:
-  """Random params: normal(0, std) matrices, ones for norms, zeros for biases, LoRA adapters
-  as `lora.init_leaf` draws them (B = 0)."""
+  """Random params in `cfg.param_dtype`: normal(0, std) matrices, ones for norms, zeros for
+  biases; LoRA adapters as `lora.init_leaf` draws them (B = 0, float32)."""
   dtype = jnp.dtype(cfg.param_dtype)
   flat, tree = jax.tree.flatten_with_path(param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
   keys = jax.random.split(key, len(flat))
@@ -105,7 +105,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, std: float = 0.02) -> Params:
   for (path, shape), k in zip(flat, keys):
     name = path[-1].key
     if lora.is_adapter(name):
-      leaves.append(lora.init_leaf(name, shape, k, dtype))
+      leaves.append(lora.init_leaf(name, shape, k))
     elif name.endswith("norm"):
       leaves.append(jnp.ones(shape, dtype))
     elif name.startswith("b"):  # biases

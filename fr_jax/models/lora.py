@@ -7,7 +7,9 @@ A targeted projection W [in, out] gains two leaves beside it in the same layer s
 
 (`ModelConfig.lora_scale`; PEFT's layout transposed to the decoder's [in, out]). A is drawn
 as PEFT draws it (Kaiming-uniform with a = sqrt(5): U(-1/sqrt(in), 1/sqrt(in))) and B is
-zero, so an adapted model starts as its base exactly.
+zero, so an adapted model starts as its base exactly. Adapters are stored in float32 whatever
+the base's dtype (`ADAPTER_DTYPE`): a bfloat16 base with float32 adapters is the usual way to
+fit a large model, and updates of lr ~ 1e-5 would round away in bfloat16.
 
 The adapters live in the params tree itself (`layers`, and `mlp` for an MoE model's dense
 layers), so the stacked scan, sharding and checkpoints carry them as they carry any weight.
@@ -26,6 +28,7 @@ from fr_jax.models.config import ModelConfig
 
 Params = dict[str, Any]
 SUFFIXES = ("_lora_a", "_lora_b")
+ADAPTER_DTYPE = jnp.float32
 
 
 def config_fields(model) -> dict:
@@ -55,12 +58,21 @@ def adapter_shapes(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]]
   return out
 
 
-def init_leaf(name: str, shape: tuple[int, ...], key: jax.Array, dtype) -> jax.Array:
-  """One adapter leaf ([..., in, r] or [..., r, out]): A ~ U(-1/sqrt(in), 1/sqrt(in)), B = 0."""
+def init_leaf(name: str, shape: tuple[int, ...], key: jax.Array) -> jax.Array:
+  """One adapter leaf ([..., in, r] or [..., r, out]), float32: A ~ U(-1/sqrt(in),
+  1/sqrt(in)), B = 0."""
   if name.endswith("_lora_b"):
-    return jnp.zeros(shape, dtype)
+    return jnp.zeros(shape, ADAPTER_DTYPE)
   bound = shape[-2] ** -0.5
-  return jax.random.uniform(key, shape, jnp.float32, -bound, bound).astype(dtype)
+  return jax.random.uniform(key, shape, ADAPTER_DTYPE, -bound, bound)
+
+
+def cast(params: Params, dtype) -> Params:
+  """`params` with the base weights in `dtype` and the adapters in float32 (copies: the
+  learner donates its state's buffers, which must not alias the caller's)."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, a: jnp.array(a, ADAPTER_DTYPE if is_adapter(_name(path)) else dtype,
+                                copy=True), params)
 
 
 def has_adapters(params: Params) -> bool:
@@ -121,8 +133,8 @@ def merged(params: Params, cfg: ModelConfig) -> Params:
 
 
 def init_adapters(params: Params, cfg: ModelConfig, key: jax.Array) -> Params:
-  """`params` (a base model's) with fresh adapters added for `cfg`'s LoRA targets (B = 0), in
-  each stack's parameter dtype. Adapters already present are kept (a restored run)."""
+  """`params` (a base model's) with fresh adapters added for `cfg`'s LoRA targets (B = 0,
+  float32). Adapters already present are kept (a restored run)."""
   if not cfg.lora_rank or has_adapters(params):
     return params
   adapters = {}
@@ -133,9 +145,8 @@ def init_adapters(params: Params, cfg: ModelConfig, key: jax.Array) -> Params:
     shapes = adapter_shapes(cfg, {k: tuple(v.shape[1:]) for k, v in weights.items()
                                   if len(v.shape) == 3})
     n = next(iter(weights.values())).shape[0]
-    dtype = weights[next(iter(shapes))[: -len("_lora_a")]].dtype if shapes else None
     keys = jax.random.split(jax.random.fold_in(key, len(adapters)), max(len(shapes), 1))
-    adapters[stack] = {name: init_leaf(name, (n, *s), k, dtype)
+    adapters[stack] = {name: init_leaf(name, (n, *s), k)
                        for (name, s), k in zip(sorted(shapes.items()), keys)}
   return join({k: v for k, v in adapters.items() if v}, params)
 

@@ -5,6 +5,7 @@ for SmolLM2-135M, fr_jax against a PyTorch + transformers peer on the same data.
   .venv/bin/python -m experiments.benchmarks.learner --cases=long [--long_lens=4096,8192]
   .venv/bin/python -m experiments.benchmarks.learner --cases=ragged --minibatches=4 \
       --notorch_peer   # one update() call makes 4 consecutive steps of B/4 (timed per call)
+  .venv/bin/python -m experiments.benchmarks.learner --cases=ragged --lora_ranks=16   # LoRA too
   .venv/bin/python -m experiments.benchmarks.learner --model=tiny-chat --notorch_peer \
       --cases=fixed --dtypes=float32 --repeats=41   # the per-update overhead, not the model
 
@@ -60,6 +61,8 @@ flags.DEFINE_integer("minibatches", 1, "fr_jax: split each case's batch into thi
                      "consecutive updates (the sequential-minibatch ablation)")
 flags.DEFINE_list("heads", ["actions"], "fr_jax's LM head: actions (the default "
                   "packing.head_buckets) and/or full (every position scored)")
+flags.DEFINE_list("lora_ranks", [], "also time LoRA updates (f32, every projection, alpha = "
+                  "2 x rank) at these ranks, fr_jax and the peer with PEFT 0.21.2")
 flags.DEFINE_integer("long_one", 0, "internal: measure one long row of this many tokens")
 flags.DEFINE_bool("long_run", True, "long case: also run one update (peak RSS, time), not "
                   "only compile it")
@@ -84,7 +87,9 @@ def set_behaviour_logp(trajs, params, cfg, row_len, rng):
       t.behavior_logp = np.where(t.action_mask, own, 0.0).astype(np.float32)
 
 
-def torch_peer(trajs, cfg, repeats, delta):
+def torch_peer(trajs, cfg, repeats, delta, lora_rank=0):
+  """The peer's median update; with `lora_rank`, PEFT LoRA on every projection (alpha = 2 x
+  rank), AdamW over the adapters only."""
   import torch
   import transformers
 
@@ -98,8 +103,14 @@ def torch_peer(trajs, cfg, repeats, delta):
   # this machine's 24 GB on the ragged case.)
   model.gradient_checkpointing_enable()
   model.config.use_cache = False
-  opt = torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.999), eps=1e-8,
-                          weight_decay=0.1)
+  if lora_rank:
+    import peft
+    model.enable_input_require_grads()  # checkpointed layers need a grad path from the input
+    model = peft.get_peft_model(model, peft.LoraConfig(
+        r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0, target_modules=[
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+  params = [q for q in model.parameters() if q.requires_grad]
+  opt = torch.optim.AdamW(params, lr=1e-6, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
   B = len(trajs)
   Lmax = max(t.length for t in trajs)
   ids = np.zeros((B, Lmax), np.int64)
@@ -133,7 +144,7 @@ def torch_peer(trajs, cfg, repeats, delta):
       rho = torch.exp((logp - bl) * m)
     loss = -((A * admitted / T / B)[:, None] * rho * logp * m).sum()
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
     opt.step()
     return float(loss.detach())
 
@@ -244,8 +255,11 @@ def main(argv):
     model_flops = sum(3 * model.config.flops_per_token(t.length) * (t.length - 1)
                       for t in trajs)
     times = {}
-    for dtype, head in [(d, h) for d in F.dtypes for h in F.heads]:
+    variants = [(d, h, 0) for d in F.dtypes for h in F.heads]
+    variants += [("float32", F.heads[0], int(r)) for r in F.lora_ranks]
+    for dtype, head, rank in variants:
       c = lcfg.default_config()
+      c.model.lora.rank, c.model.lora.alpha = rank, 2.0 * rank
       if head == "full":
         c.packing.head_buckets = ()
       c.batch_size, c.minibatches = len(trajs) // F.minibatches, F.minibatches
@@ -263,8 +277,9 @@ def main(argv):
 
       med, ts = timed(update, F.repeats)
       m = ms[-1]
-      times[dtype, head] = med
-      emit("update", case=case, impl="fr_jax", compute=dtype, head=head,
+      times[(dtype, head, rank) if rank else (dtype, head)] = med
+      emit("update", case=case, impl=f"fr_jax+lora{rank}" if rank else "fr_jax", compute=dtype,
+           head=head,
            trajectories=len(trajs),
            minibatches=F.minibatches,
            tokens=n_tok, buffer_tokens=int(round(n_tok / m["packing_efficiency"])),
@@ -294,6 +309,18 @@ def main(argv):
       for dtype in F.dtypes:
         t = times[dtype, F.heads[0]]
         summary[f"{case}_{dtype}_speedup_vs_torch_f32"] = round(med / t, 2)
+      for r in map(int, F.lora_ranks):
+        lmed, lts, _, _, _ = torch_peer(trajs, model.config, F.repeats, 3e-3, lora_rank=r)
+        emit("update", case=case, impl=f"torch+transformers+peft_lora{r}", compute="float32",
+             trajectories=len(trajs), tokens=n_tok, median_s=round(lmed, 3),
+             all_s=[round(t, 3) for t in lts], tokens_per_s=round(n_tok / lmed, 1))
+        summary[f"{case}_lora{r}_speedup_vs_peft"] = round(
+            lmed / times["float32", F.heads[0], r], 2)
+        summary[f"{case}_peft_lora{r}_over_torch_full"] = round(lmed / med, 2)
+    for r in map(int, F.lora_ranks):
+      if ("float32", F.heads[0]) in times:
+        summary[f"{case}_lora{r}_over_full_fr_jax"] = round(
+            times["float32", F.heads[0], r] / times["float32", F.heads[0]], 2)
     if ("float32", F.heads[0]) in times:
       summary[f"{case}_float32_mfu"] = round(
           model_flops / times["float32", F.heads[0]] / peaks["float32"], 3)

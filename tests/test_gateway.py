@@ -286,6 +286,14 @@ def test_restart_loses_nothing_acknowledged(tiny_model, tmp_path):
     _settle(g2, 1)
     assert [t.traj_id for t in rec.got] == sent == [f"{producer}/0"]
     assert g2.producer == producer and g2.metrics()["records_resent"] == 1
+    # The rewarded episode is known as finished across the restart: a second reward and a
+    # further call are refused as such, not taken for an unknown (or a new) episode.
+    for retry in (lambda: g2.reward("done", {"reward": 1.0}),
+                  lambda: g2.chat({"messages": a, "seed": 1}, "done")):
+      with pytest.raises(GatewayError) as e:
+        retry()
+      assert (e.value.status, e.value.code) == (409, "episode_finished")
+    assert g2.episode("done") == {"episode_id": "done", "status": "rewarded"}
     b += [rb["choices"][0]["message"], {"role": "user", "content": "more"}]
     g2.chat({"messages": b, "seed": 3}, "open")
     seg = g2.open["open"].segments
@@ -456,10 +464,25 @@ def test_launch_gateway_survives_sigkill(tmp_path):
   assert len(updates) == 1 and updates[0]["trajectories"] == 2, updates
 
 
+def test_journal_keeps_the_last_rewarded_ids(tmp_path, monkeypatch):
+  """The rewarded ids survive a reopen, the newest REWARDED_KEPT of them, oldest first."""
+  from fr_jax.rollout import gateway_state
+  monkeypatch.setattr(gateway_state, "REWARDED_KEPT", 3)
+  j = gateway_state.Journal(str(tmp_path / "j.db"))
+  for i in range(5):
+    j.finish(f"e{i}", [], i)
+  j.close()
+  j = gateway_state.Journal(str(tmp_path / "j.db"))
+  assert j.rewarded() == ["e2", "e3", "e4"]
+  assert j.db.execute("SELECT COUNT(*) FROM rewarded").fetchone()[0] == 3
+  j.close()
+
+
 def test_full_journal_keeps_the_episode_as_it_was(tiny_model, tmp_path):
   """A journal that cannot grow (SQLite's SQLITE_FULL, as on a full disk, here through
   max_page_count) answers a call 503 journal_unavailable: its turn is not kept, the episode
-  stays as it was, and the agent's retry is kept once there is room."""
+  stays as it was, and the agent's retry is kept once there is room. A reward that cannot be
+  written is answered 503 the same way."""
   gw = Gateway(_engine(tiny_model), tiny_model.tokenizer, Recorder(),
                GatewayConfig(max_new_tokens=4), journal=str(tmp_path / "gateway.db"),
                follow_weights=False)
@@ -477,6 +500,24 @@ def test_full_journal_keeps_the_episode_as_it_was(tiny_model, tmp_path):
     assert gw.metrics()["journal_errors"] == 1
     gw.journal.db.execute("PRAGMA max_page_count=1073741823")
     assert gw.chat({"messages": big, "seed": 2}, "e")["segment"] == 1  # the retry is kept
+    # A reward on the same full journal is recorded: its transaction frees the episode's
+    # pages before it writes the records, which are smaller (binary, not JSON).
+    pages = gw.journal.db.execute("PRAGMA page_count").fetchone()[0]
+    gw.journal.db.execute(f"PRAGMA max_page_count={pages}")
+    gw.chat({"messages": msgs, "seed": 3}, "f")
+    assert len(gw.reward("f", {"reward": 0.0})["records"]) == 1
+    # A journal that refuses the write (SQLite's SQLITE_READONLY here) answers the reward
+    # 503: the episode stays open with its turns, nothing is queued, and the agent's retry is
+    # recorded once the journal takes writes again.
+    gw.journal.db.execute("PRAGMA max_page_count=1073741823")
+    gw.journal.db.execute("PRAGMA query_only=1")
+    before, queued = gw.open["e"].state(), gw.journal.count()
+    with pytest.raises(GatewayError) as e:
+      gw.reward("e", {"reward": 1.0})
+    assert (e.value.status, e.value.code) == (503, "journal_unavailable")
+    assert gw.open["e"].state() == before and "e" not in gw.busy and "e" not in gw.rewarded
+    assert gw.metrics()["journal_errors"] == 2 and gw.journal.count() == queued
+    gw.journal.db.execute("PRAGMA query_only=0")
     assert len(gw.reward("e", {"reward": 1.0})["records"]) == 2
   finally:
     gw.close()

@@ -81,7 +81,7 @@ from fr_jax.rollout.chat_render import (
 )
 from fr_jax.rollout.embedded import common_prefix
 from fr_jax.rollout.engine import Completion, Request
-from fr_jax.rollout.gateway_state import Episode, Journal, Segment
+from fr_jax.rollout.gateway_state import REWARDED_KEPT, Episode, Journal, Segment
 from fr_jax.trajectory import RETRY_REASONS, Trajectory
 
 log = logging.getLogger("fr_jax.gateway")
@@ -195,7 +195,8 @@ class Gateway:
     self.lock = threading.Lock()  # guards open, busy, rewarded, next_seq, metrics
     self.open: dict[str, Episode] = {e.id: e for e in self.journal.episodes()}
     self.busy: set[str] = set()
-    self.rewarded: collections.OrderedDict = collections.OrderedDict()  # recent ids
+    # the last REWARDED_KEPT rewarded ids, the journal's across a restart
+    self.rewarded = collections.OrderedDict.fromkeys(self.journal.rewarded(), True)
     self.m = collections.Counter()
     self.splits = collections.Counter()
     self.max_drift = 0
@@ -527,7 +528,7 @@ class Gateway:
         self.next_seq = seq0 + len(recs)
         del self.open[ep.id]
         self.rewarded[ep.id] = True
-        while len(self.rewarded) > 65536:
+        while len(self.rewarded) > REWARDED_KEPT:
           self.rewarded.popitem(last=False)
         self.m["episodes_rewarded"] += 1
         self.m["records"] += len(recs)

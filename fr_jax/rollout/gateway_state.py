@@ -4,9 +4,11 @@ An `Episode` is a list of `Segment`s: each one prompt and the turns fed after it
 the engine sampled (tokens, behaviour log-probs, versions) and, for chat, the last call's
 messages, tools, marked rendering and reply (what the next call must extend).
 
-`Journal`: open episodes (as their JSON state) and rewarded records not yet acknowledged by
-the learner (`transport.codec` records), in an SQLite file in WAL mode with synchronous FULL,
-so a committed write survives a crash. `path=None` keeps them in memory only.
+`Journal`: open episodes (as their JSON state), rewarded records not yet acknowledged by the
+learner (`transport.codec` records) and the ids of the last `REWARDED_KEPT` rewarded episodes
+(so that a reward posted again after a restart is refused as a repeat), in an SQLite file in
+WAL mode with synchronous FULL, so a committed write survives a crash. `path=None` keeps them
+in memory only.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import threading
 
 from fr_jax.trajectory import Trajectory
 from fr_jax.transport import codec
+
+REWARDED_KEPT = 65536  # rewarded episode ids remembered (in memory and in the journal)
 
 
 @dataclasses.dataclass
@@ -88,6 +92,8 @@ class Journal:
       self.db.execute("CREATE TABLE IF NOT EXISTS episodes (id TEXT PRIMARY KEY, state TEXT)")
       self.db.execute("CREATE TABLE IF NOT EXISTS records "
                       "(seq INTEGER PRIMARY KEY, traj_id TEXT UNIQUE, record BLOB)")
+      self.db.execute("CREATE TABLE IF NOT EXISTS rewarded "
+                      "(n INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE)")
 
   def _tx(self, statements):
     with self.lock:
@@ -119,6 +125,13 @@ class Journal:
       rows = self.db.execute("SELECT record FROM records ORDER BY seq").fetchall()
     return [codec.decode_record(r[0]) for r in rows]
 
+  def rewarded(self) -> list[str]:
+    """The ids of the last REWARDED_KEPT rewarded episodes, oldest first."""
+    with self.lock:
+      rows = self.db.execute("SELECT id FROM rewarded ORDER BY n DESC LIMIT ?",
+                             (REWARDED_KEPT,)).fetchall()
+    return [r[0] for r in reversed(rows)]
+
   def save(self, ep: Episode) -> None:
     self._tx([("INSERT OR REPLACE INTO episodes VALUES (?, ?)", (ep.id, ep.state()))])
 
@@ -127,11 +140,15 @@ class Journal:
 
   def finish(self, episode_id: str, records: list[tuple[int, Trajectory]],
              next_seq: int) -> None:
-    """Ends an episode and keeps its records ((seq, record) pairs), in one transaction."""
+    """Ends an episode and keeps its records ((seq, record) pairs) and its id among the
+    rewarded ones (the oldest beyond REWARDED_KEPT forgotten), in one transaction."""
     self._tx([("DELETE FROM episodes WHERE id=?", (episode_id,)),
               *[("INSERT INTO records VALUES (?, ?, ?)", (q, t.traj_id, codec.encode_record(t)))
                 for q, t in records],
-              ("INSERT OR REPLACE INTO meta VALUES ('next_seq', ?)", (str(next_seq),))])
+              ("INSERT OR REPLACE INTO meta VALUES ('next_seq', ?)", (str(next_seq),)),
+              ("INSERT OR REPLACE INTO rewarded (id) VALUES (?)", (episode_id,)),
+              ("DELETE FROM rewarded WHERE n <= (SELECT MAX(n) FROM rewarded) - ?",
+               (REWARDED_KEPT,))])
 
   def count(self) -> int:
     with self.lock:

@@ -70,6 +70,9 @@ VARIANTS: dict[str, LMSetting] = {
     **_pair("lr2e6", optim__lr=2e-6),  # nearer the paper's 1e-6
     **_pair("warm10", optim__warmup_frac=10 / 36),  # a 10-update warm-up
     **_pair("constlen", objective__reduction="constant_length"),  # the reference's variant
+    # constant_length at twice the lr: it weighs each reply by its length, so the short
+    # rewarded ones pull less than under sample_mean; does a larger step give it back?
+    **_pair("constlen_lr1e5", objective__reduction="constant_length", optim__lr=1e-5),
     # B = 64 at the same 768 rollouts: 12 updates of an 18-update schedule (the same share)
     **_pair("b64", dict(batch_size=64, updates=12, schedule=18, eval_every=6),
             rollout__inflight=64, rollout__num_slots=64, service__queue_capacity=64),

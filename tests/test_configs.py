@@ -36,6 +36,9 @@ DOCUMENTED = {
                     "5-update": (lambda c: round(c.optim.warmup_frac * c.max_updates), 5),
                     "200 test problems": (lambda c: c.eval.n, 200),
                     "first 64 every 9": (lambda c: (c.eval.every_n, c.eval.every), (64, 9))},
+    "cpu_lora": {"rank-16 adapters (alpha 32": (
+                     lambda c: (c.model.lora.rank, c.model.lora.alpha), (16, 32.0)),
+                 "so 5e-5 instead of 5e-6": (lambda c: c.optim.lr, 5e-5)},
     "qwen25_7b_tool": {"600 steps": (lambda c: c.max_updates, 600),
                        "8+ GPUs for the learner (fsdp)": (lambda c: c.mesh.fsdp >= 8, True)},
     "qwen3_30b_a3b_tool": {"800 steps": (lambda c: c.max_updates, 800),
@@ -64,7 +67,8 @@ DOCUMENTED = {
                                                         c.rollout.inflight), (4, 16)),
                  "older than 8 are dropped": (lambda c: c.max_policy_lag, 8)},
 }
-SCHEDULE = {"alfworld_like": 200, "cpu_agent": 40, "cpu_default": 36, "qwen25_7b_tool": 600,
+SCHEDULE = {"alfworld_like": 200, "cpu_agent": 40, "cpu_default": 36, "cpu_lora": 36,
+            "qwen25_7b_tool": 600,
             "qwen25_math_1p5b": 2000, "r1_distill_1p5b_longcot": 6000, "tiny_test": 100,
             "gateway_smollm2": 2,
             "qwen3_30b_a3b_tool": 800, "tiny_moe": 60}

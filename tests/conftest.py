@@ -10,14 +10,19 @@ from tests import XLA_TEST_FLAGS
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" {XLA_TEST_FLAGS}"
                            " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# One persistent compilation cache (fr_jax.compile_cache) for the session, inherited by both
-# test processes and every launch they start: a program that several processes compile, or
-# that learners and engines rebuild within one, compiles once. Programs that compile in 0.1 s
-# or more are written. A multi-process CPU learner turns it off. Each session starts a fresh
-# one in .pytest_cache/xla/ (ignored by git; older sessions' are removed): an 8-device CPU
-# mesh program loaded from a cache a previous process wrote can deadlock in its collectives
-# and abort (devices join different all-gathers), which a rerun with a warm cache did in
-# test_moe_learner and test_multihost. Set JAX_COMPILATION_CACHE_DIR to choose the folder.
+# One persistent compilation cache (fr_jax.compile_cache) for the session, used by every
+# launch the tests start: a program that several launches compile compiles once. Programs
+# that compile in 0.1 s or more are written. A multi-process CPU learner turns it off. Each
+# session starts a fresh one in .pytest_cache/xla/ (ignored by git; older sessions' are
+# removed): an 8-device CPU mesh program loaded from a cache a previous process wrote can
+# deadlock in its collectives and abort (devices join different all-gathers), which a rerun
+# with a warm cache did in test_moe_learner and test_multihost. Set JAX_COMPILATION_CACHE_DIR
+# to choose the folder.
+# The two test processes themselves (8 forced host devices) do not read or write it (below):
+# one of them, reading a program back, died in XLA's deserialization (SIGSEGV in
+# compilation_cache.get_executable_and_time, in test_action_head, in CI and in a clean-clone
+# run of the same commit), which took its xdist worker down and left the session waiting for
+# it until CI's limit.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the session's first process: make it
   _xla = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                       ".pytest_cache", "xla")
@@ -34,6 +39,12 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 
 import jax  # must come after XLA_FLAGS
 import pytest
+
+# Off for this process. JAX decides once, at a process's first compile, whether it uses the
+# cache: compiling one program now keeps it off even where a test runs a launch's main in
+# this process (launch.common.setup calls compile_cache.configure).
+jax.config.update("jax_enable_compilation_cache", False)
+jax.jit(lambda x: x + 1)(0).block_until_ready()
 
 
 def pytest_sessionstart(session):

@@ -49,3 +49,21 @@ def test_a_configured_process_writes_its_programs_there_and_off_writes_none(tmp_
   assert not any(mesh.iterdir())  # the CPU mesh's process wrote nothing
   assert (mine.stat().st_mode & 0o777) == 0o700  # the cache is code: the user's alone
   assert not (tmp_path / "env_dir").exists()  # "off" wrote nowhere, not even JAX's default
+
+
+def test_the_test_processes_keep_the_cache_off_even_after_a_launch_configures_it(tmp_path):
+  """tests/conftest.py keeps the suite's own processes off the cache (one died deserializing
+  a program from it): a launch's main run in-process (launch.common.setup configures the
+  cache) must not turn it back on for them."""
+  import jax
+  import jax.numpy as jnp
+
+  from fr_jax import compile_cache
+  before = jax.config.jax_compilation_cache_dir
+  try:
+    assert compile_cache.configure(str(tmp_path / "xla")) == str(tmp_path / "xla")
+    jax.jit(lambda x: jnp.cumsum(x) * 7 + 0.5)(jnp.arange(9.0)).block_until_ready()
+  finally:
+    jax.config.update("jax_enable_compilation_cache", False)
+    jax.config.update("jax_compilation_cache_dir", before)
+  assert list((tmp_path / "xla").iterdir()) == []

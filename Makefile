@@ -72,14 +72,18 @@ demo-agent: $(STAMP)
 	$(VPY) -m launch.train --config=experiments/configs/cpu_agent.py --run_dir=$(AGENT_DIR)
 
 # The suite starts real vLLM servers (tests/test_vllm.py), so it builds .venv-vllm first.
+# --max-worker-restart=0: a worker that dies fails the test it was running, by name, and the
+# session ends; pytest-xdist 3.8's replacement worker under --dist loadfile can wait forever
+# (pytest-xdist #784, #1378), which held a CI run until its time limit.
+XDIST = -n $(TEST_JOBS) --dist loadfile --max-worker-restart=0
 test: $(STAMP) $(VLLM_STAMP) lint
-	$(VPY) -m pytest -q -m "not slow" -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
+	$(VPY) -m pytest -q -m "not slow" $(XDIST) $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 test-all: $(STAMP) $(VLLM_STAMP) lint
-	$(VPY) -m pytest -q -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
+	$(VPY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(VPY) -m experiments.benchmarks.objective

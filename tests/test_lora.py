@@ -16,8 +16,9 @@ import transformers
 
 from fr_jax.learner import compile as compiling
 from fr_jax.learner.learner import Learner
-from fr_jax.models import decoder, hf_io, lora, registry, scoring
+from fr_jax.models import decoder, hf_io, hf_shards, lora, registry, scoring
 from fr_jax.models.config import ConfigError
+from fr_jax.transport import shards
 from tests.helpers import batches, forward, max_diff, tiny_config
 
 ALL = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
@@ -190,6 +191,17 @@ def test_learner_trains_the_adapters_only_on_a_mesh_as_on_one_device(tmp_path):
   assert again.version == 2
   assert max_diff(again.params, mesh.params) == 0.0
   assert max_diff(again.state.opt_state, mesh.state.opt_state) == 0.0
+  # Relays get the base and the adapters unmerged (the adapters alone change between
+  # versions), under PEFT's names, with the scale to fold them in (tests/test_shards.py).
+  mesh.shard_sink = host = shards.ShardHost("float32")
+  mesh.publish_shards(version=2)
+  mesh.wait_shards()
+  m, cfg = host.manifest(2), mesh.model_config
+  assert m.lora_scale == 2.0 and len(m.adapters) == 2 * len(cfg.lora_targets) * cfg.num_layers
+  assert m.served_tensors == hf_shards.hf_tensor_shapes(cfg)
+  q = "model.layers.0.self_attn.q_proj.weight"
+  assert m.tensors[hf_io.adapter_name(q, "a")] == (4, m.tensors[q][1])
+  assert m.tensors[hf_io.adapter_name(q, "b")] == (m.tensors[q][0], 4)
   for L in (single, mesh, again):
     L.close()
 

@@ -8,6 +8,7 @@ The reference is independent of the pieces: `hf_io.save_hf` of the whole paramet
 the serving dtype (and `safetensors.safe_open` reading the relay's file)."""
 
 import threading
+from pathlib import Path
 
 import grpc
 import jax
@@ -17,7 +18,7 @@ import pytest
 from safetensors import safe_open
 
 from fr_jax.learner import mesh as meshlib
-from fr_jax.models import hf_io, hf_shards, registry
+from fr_jax.models import hf_io, hf_shards, lora, registry
 from fr_jax.transport import codec, shard_fetch, shards
 from fr_jax.transport import fr_jax_pb2 as pb
 from fr_jax.transport import server as srv
@@ -402,3 +403,97 @@ def test_a_full_disk_is_a_named_failure_not_a_dead_thread(tmp_path, model, monke
   finally:
     client.close()
     hosts.close()
+
+
+def lora_model(cfg, params, seed):
+  """`cfg` with rank-4 adapters on three attention projections, and params whose adapters
+  are random (B too: a trained adapter, not the B = 0 start)."""
+  cfg = cfg.replace(lora_rank=4, lora_alpha=8.0, lora_targets=("wq", "wv", "wo"))
+  p = jax.tree.map(np.asarray, lora.init_adapters(params, cfg, jax.random.key(seed)))
+  rng = np.random.default_rng(seed)
+  p["layers"] = {k: (0.2 * rng.standard_normal(a.shape)).astype(a.dtype)
+                 if k.endswith("_lora_b") else a for k, a in p["layers"].items()}
+  return cfg, p
+
+
+def test_a_lora_version_moves_only_its_adapters_and_the_server_gets_the_merged_model(
+    tmp_path, model):
+  """A LoRA learner publishes its base and adapters unmerged (PEFT names): the relay's second
+  version comes as the adapters' bytes (the base's pieces are all-zero deltas), and the file
+  its server loads is the merged model (`lora.merged`, the learner's own fold, in bf16) with
+  no adapter tensors; the fetched file stays under a name no server loads."""
+  from fr_jax.transport import relay as relaylib
+  from tests.sglang_standin import PublishedWeights
+  base_cfg, base = model
+  cfg, params = lora_model(base_cfg, base, 0)
+  _, other = lora_model(base_cfg, base, 1)  # version 2: the same base, new adapters
+  params2 = {**params, "layers": {k: other["layers"][k] if lora.is_adapter(k) else a
+                                  for k, a in params["layers"].items()}}
+  service = PublishedWeights()
+  service.shards = shards.ShardHost("bfloat16")
+  server, port = srv.serve(service)
+  loads = []
+
+  def publish(v, p):
+    arrays = sharded(p)
+    m = hf_shards.manifest_of(arrays, cfg, "bfloat16")
+    service.shards.put(v, m, hf_shards.local_pieces(arrays, cfg, m, 0))
+    service.publish(v, lora.merged(p, cfg))
+    return m
+
+  client = WeightsClient(f"127.0.0.1:{port}", worker_id="relay@test")
+  r = relaylib.Relay(client, lambda path, v: loads.append((path, v)), tmp_path / "relay",
+                     base_cfg, poll_s=0.05, say=lambda _: None)
+  stop = threading.Event()
+  try:
+    m = publish(1, params)
+    assert m.lora_scale == 2.0 and len(m.adapters) == 2 * 3 * cfg.num_layers
+    assert hf_shards.Manifest.from_json(m.to_json()) == m
+    adapter_bytes = sum(np.prod(m.tensors[n]) for n in m.adapters) * 2
+    t = threading.Thread(target=lambda: r.run(stop, max_versions=2))
+    t.start()
+    while not loads:
+      t.join(0.05)
+    publish(2, params2)
+    t.join(60)
+    assert [v for _, v in loads] == [1, 2] and r.failures == {}
+    for (path, _), p, name in zip(loads, (params, params2), ("ref1", "ref2")):
+      # The learner's fold (lora.merged, in JAX) of what crossed the wire: every tensor,
+      # adapters included, in bf16.
+      wire = jax.tree.map(lambda a: a.astype(BF16).astype(np.float32), p)
+      want = reference(tmp_path, lora.merged(wire, cfg), base_cfg, name)
+      got = read_file(f"{path}/model.safetensors")
+      assert sorted(got) == sorted(want)  # the plain model's tensors: no adapters
+      same = 0
+      for k in want:  # within one bf16 step (float32 sums in another order), mostly equal
+        g, w = got[k].astype(np.float32), want[k].astype(np.float32)
+        assert np.all(np.abs(g - w) <= 2.0 ** -7 * np.abs(w) + 1e-6), k
+        same += int((g == w).sum())
+      assert same >= 0.99 * sum(a.size for a in want.values())
+      adapted = "model.layers.0.self_attn.q_proj.weight"
+      plain = reference(tmp_path, lora.split(p)[1], base_cfg, name + "_base")
+      assert not np.array_equal(got[adapted], plain[adapted])  # the adapters were folded in
+      files = sorted(f.name for f in Path(path).iterdir())
+      assert [f for f in files if f.endswith(".safetensors")] == ["model.safetensors"]
+      assert hf_shards.ADAPTED_FILE in files
+    first, second = r.history
+    assert first.wire_bytes == first.bytes == m.nbytes
+    assert adapter_bytes <= second.wire_bytes <= adapter_bytes + 0.01 * m.nbytes, (
+        second.wire_bytes, adapter_bytes, m.nbytes)
+  finally:
+    stop.set()
+    client.close()
+    srv.stop(server, grace=0)
+
+
+def test_a_manifest_refuses_adapters_that_do_not_fit_their_weights(model):
+  cfg, params = lora_model(*model, 0)
+  m = hf_shards.manifest_of(params, cfg, "bfloat16")
+  a = hf_io.adapter_name("model.layers.1.self_attn.v_proj.weight", "a")
+  bad = dict(m.tensors, **{a: (4, m.tensors[a][1] + 1)})
+  pieces = tuple(p if p.tensor != a else hf_shards.Piece(a, (0, 0), bad[a], 0)
+                 for p in m.pieces)
+  with pytest.raises(hf_shards.ManifestError, match="does not fit a weight"):
+    hf_shards.Manifest(m.dtype, bad, pieces, m.lora_scale).check()
+  with pytest.raises(hf_shards.ManifestError, match="not positive"):
+    hf_shards.Manifest(m.dtype, m.tensors, m.pieces, 0.0).check()

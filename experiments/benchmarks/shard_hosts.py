@@ -13,11 +13,13 @@ also serves the learner's gRPC service (heartbeats with the version and `GetMani
 stand-in `tests.sglang_standin.PublishedWeights` with shards), and learns the other's address
 through the coordinator (`Group.put_signed`). Commands on stdin, one per line:
 
-  publish V dense|sparse    make version V from the current weights and publish it. dense:
+  publish V dense|sparse|lora
+                            make version V from the current weights and publish it. dense:
                             every element's low 7 mantissa bits change at random (a delta
                             cannot help); sparse: 0.7% of the elements move by one unit in
                             the last place, the rate measured between two versions of the
-                            demo run (experiments/benchmarks/weight_delta.py)
+                            demo run (experiments/benchmarks/weight_delta.py); lora: as
+                            dense, in the LoRA adapters' pieces only (--lora_rank > 0)
   stats                     print {"sent_bytes": ..., "sent": ...} (this host's egress)
   quit
 
@@ -36,6 +38,8 @@ def main():
   p.add_argument("--model", required=True)
   p.add_argument("--dtype", default="bfloat16", help="the parameters' dtype")
   p.add_argument("--wire_dtype", default="bfloat16", help="the servers' (service.wire_dtype)")
+  p.add_argument("--lora_rank", type=int, default=0,
+                 help="LoRA adapters of this rank on every projection (alpha = 2 rank)")
   p.add_argument("--num_processes", type=int, default=2)
   p.add_argument("--process_id", type=int, required=True)
   p.add_argument("--coordinator", required=True)
@@ -52,7 +56,10 @@ def main():
   from fr_jax.transport import server as srv
   multihost.initialize(a.coordinator, a.num_processes, a.process_id, secret="bench")
   group = multihost.Group()
-  cfg = registry.shape_config(a.model.removeprefix("random:"), param_dtype=a.dtype)
+  lora = dict(lora_rank=a.lora_rank, lora_alpha=2.0 * a.lora_rank,
+              lora_targets=("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"))
+  cfg = registry.shape_config(a.model.removeprefix("random:"), param_dtype=a.dtype,
+                              **(lora if a.lora_rank else {}))
   names = list(codec.flatten(decoder.param_shapes(cfg)))
   from fr_jax.models.hf_io import _np_dtype
   dt = _np_dtype(a.dtype)  # .npy stores bfloat16 as raw 2-byte records
@@ -70,11 +77,15 @@ def main():
 
   def publish(v: int, how: str) -> None:
     nonlocal pieces
-    pieces = {i: b.copy() for i, b in pieces.items()}
+    moved = {i for i in pieces
+             if how != "lora" or manifest.pieces[i].tensor in manifest.adapters}
+    if how == "lora" and not manifest.adapters:
+      raise SystemExit("publish lora: this model has no adapters (--lora_rank)")
+    pieces = {i: b.copy() if i in moved else b for i, b in pieces.items()}
     at = v * 7919  # where in the noise this version starts
-    for b in pieces.values():
+    for b in (pieces[i] for i in moved):
       flat = b.reshape(-1).view(np.uint16)
-      if how == "dense":  # the noise, cyclically from `at`
+      if how in ("dense", "lora"):  # the noise, cyclically from `at`
         k = 0
         while k < flat.size:
           start = at % noise.size

@@ -63,9 +63,12 @@ flags.DEFINE_list("designs", ["whole", "shards"], "whole: every relay fetches th
                   "each process serving its own shards, relays feeding relays")
 flags.DEFINE_list("relays", ["4", "2"], "relays (each with its own server) per case, in the "
                   "order of --cases")
-flags.DEFINE_enum("update", "dense", ["dense", "sparse"], "shards design: how each version "
-                  "differs: every element at random (dense: deltas cannot help) or 0.7% of "
-                  "the elements (sparse: the demo run's measured rate, docs/scale.md)")
+flags.DEFINE_enum("update", "dense", ["dense", "sparse", "lora"], "shards design: how each "
+                  "version differs: every element at random (dense: deltas cannot help), 0.7% "
+                  "of the elements (sparse: the demo run's measured rate, docs/scale.md), or "
+                  "a LoRA model's adapters only, every element of them (lora: rank --lora_rank "
+                  "on every projection; the relays fold them in)")
+flags.DEFINE_integer("lora_rank", 16, "--update=lora: the adapters' rank (alpha = 2 rank)")
 flags.DEFINE_float("poll_s", 0.2, "the relays' --poll_s")
 flags.DEFINE_string("dir", "", "where the relays write (default: a temporary directory)")
 flags.DEFINE_string("one", "", "internal: run only this MODEL:DTYPE,DESIGN,RELAYS case here (each "
@@ -154,6 +157,7 @@ class ShardHosts:
     self.procs = [subprocess.Popen(
         [sys.executable, "-m", "experiments.benchmarks.shard_hosts",
          f"--params_dir={params_dir}", f"--model={model}", f"--dtype={dtype}",
+         f"--lora_rank={lora_fields().get('lora_rank', 0)}",
          "--num_processes=2", f"--process_id={i}", f"--coordinator=127.0.0.1:{coord}"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         stderr=open(params_dir.parent / f"shard_host{i}.log", "w"), text=True,
@@ -203,6 +207,14 @@ class ShardHosts:
           p.kill()
 
 
+def lora_fields() -> dict:
+  """The ModelConfig fields of --update=lora's adapters (none for the other updates)."""
+  if FLAGS.update != "lora":
+    return {}
+  return dict(lora_rank=FLAGS.lora_rank, lora_alpha=2.0 * FLAGS.lora_rank,
+              lora_targets=("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"))
+
+
 def run_case(model: str, dtype: str, out_root: Path, design: str, n_relays: int) -> None:
   import jax
 
@@ -213,7 +225,8 @@ def run_case(model: str, dtype: str, out_root: Path, design: str, n_relays: int)
   from fr_jax.transport import server as srv
   from tests.sglang_standin import PublishedWeights, StandInSGLang
 
-  cfg = registry.shape_config(model.removeprefix("random:"), param_dtype=dtype)
+  cfg = registry.shape_config(model.removeprefix("random:"), param_dtype=dtype,
+                              **lora_fields())
   itemsize = np.dtype(jax.numpy.dtype(dtype)).itemsize
   gb = cfg.num_params * itemsize / 2**30
   wire_gb = cfg.num_params * 2 / 2**30  # shards travel in bfloat16
@@ -388,7 +401,8 @@ def main(argv):
       subprocess.run([sys.executable, "-m", "experiments.benchmarks.weight_relay",
                       f"--one={case},{design},{n}", f"--dir={root / f'{design}{n}'}",
                       f"--versions={FLAGS.versions}", f"--poll_s={FLAGS.poll_s}",
-                      f"--update={FLAGS.update}"], check=True)
+                      f"--update={FLAGS.update}", f"--lora_rank={FLAGS.lora_rank}"],
+                     check=True)
   if not FLAGS.dir:
     shutil.rmtree(root, ignore_errors=True)
 

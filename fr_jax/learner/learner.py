@@ -369,7 +369,8 @@ class Learner:
 
   @multihost.collective
   def publish_shards(self, version: int) -> None:
-    """Hands this process's pieces of the current parameters, in the sink's dtype, to
+    """Hands this process's pieces of the current parameters (a LoRA model's base weights
+    and adapters, unmerged), in the sink's dtype, to
     `shard_sink` as `version` (`fr_jax.models.hf_shards`: each process takes its own
     addressable shards; nothing is gathered). Every process calls it, like an update. The
     parameters are copied on device here (the next update donates them); the copy to host,
@@ -378,9 +379,9 @@ class Learner:
     if self.shard_sink is None:
       return
     self.wait_shards()  # one version in the works at a time: at most one more device copy
-    params, cfg = self.policy_params(), self.model_config
-    if params is self.state.params:
-      params = jax.tree.map(jnp.copy, params)
+    # With LoRA the base and the adapters as they are, not merged: versions then differ in
+    # the adapters' bytes only, and the relays fold them in (`hf_shards.write_merged`).
+    params, cfg = jax.tree.map(jnp.copy, self.state.params), self.model_config
     if self._shard_manifest is None or self._shard_manifest.dtype != self.shard_sink.dtype:
       self._shard_manifest = hf_shards.manifest_of(params, cfg, self.shard_sink.dtype)
     m, sink, host = self._shard_manifest, self.shard_sink, jax.process_index()

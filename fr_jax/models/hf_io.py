@@ -195,17 +195,23 @@ def _moe_from_hf(shapes, cfg: ModelConfig, tensors, take, dtype) -> dict[str, np
   return out
 
 
-def hf_leaves(cfg: ModelConfig) -> dict:
+def hf_leaves(cfg: ModelConfig, adapters: bool = False) -> dict:
   """How each fr_jax parameter ('/'-joined path: "embed", "layers/wq", "moe/experts_up", ...)
   maps onto HF tensors: {path: (lead, name, transpose)}. Its first `lead` axes index separate
   HF tensors, `name(indices)` is the HF name of the one at those indices, and its other axes
   are that tensor's, the last two swapped if `transpose`. In the order `iter_hf_tensors`
-  yields them."""
+  yields them. With `adapters` (a model with LoRA leaves), each adapter too, under PEFT's
+  name for it (`adapter_name`)."""
   out: dict = {k: (0, lambda _, n=n: n, False) for k, n in _TOP_NAMES.items()}
 
   def per_layer(group, layers):
     for k, (n, tr) in _LAYER_NAMES.items():
       out[f"{group}/{k}"] = (1, lambda ix, n=n: f"model.layers.{layers[ix[0]]}.{n}", tr)
+      if adapters and k in cfg.lora_targets:
+        for ab in ("a", "b"):  # PEFT's [r, in] and [out, r]: ours transposed
+          out[f"{group}/{k}_lora_{ab}"] = (
+              1, lambda ix, n=n, ab=ab: adapter_name(f"model.layers.{layers[ix[0]]}.{n}", ab),
+              True)
 
   per_layer("layers", list(range(cfg.num_layers)))
   moe = list(cfg.moe_layers)
@@ -372,12 +378,20 @@ PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 _PEFT_PREFIX = "base_model.model."
 
 
-def _peft_modules(cfg: ModelConfig) -> dict[tuple[str, str], list[str]]:
-  """(stack, projection) -> the HF module path (under model.layers.{i}.) of each of the
-  stack's layers, for the projections LoRA targets."""
-  layers = {"layers": list(range(cfg.num_layers)), "mlp": list(cfg.dense_layers)}
-  return {(stack, w): [f"model.layers.{i}.{_LAYER_NAMES[w][0].removesuffix('.weight')}"
-                       for i in idx] for stack, idx in layers.items() for w in cfg.lora_targets}
+def adapter_name(weight: str, ab: str) -> str:
+  """PEFT's name for the A ("a") or B ("b") factor of the adapter on HF tensor `weight`
+  ("model.layers.0.self_attn.q_proj.weight" -> "base_model.model.model.layers.0.self_attn
+  .q_proj.lora_A.weight")."""
+  return f"{_PEFT_PREFIX}{weight.removesuffix('.weight')}.lora_{ab.upper()}.weight"
+
+
+def adapted_weight(name: str) -> tuple[str, str] | None:
+  """(the HF tensor it adapts, "a" or "b") for a PEFT adapter name; None for any other."""
+  for ab in ("a", "b"):
+    suffix = f".lora_{ab.upper()}.weight"
+    if name.startswith(_PEFT_PREFIX) and name.endswith(suffix):
+      return name[len(_PEFT_PREFIX):-len(suffix)] + ".weight", ab
+  return None
 
 
 def save_peft(path, params, cfg: ModelConfig, *, base_model: str = "") -> Path:
@@ -390,15 +404,11 @@ def save_peft(path, params, cfg: ModelConfig, *, base_model: str = "") -> Path:
     raise ValueError("these params have no LoRA adapters (model.lora.rank = 0): export them "
                      "with --format=hf")
   tensors = {}
-  modules = _peft_modules(cfg)
-  for stack in ("layers", "mlp"):
-    for leaf, a in params.get(stack, {}).items():
-      if not lora.is_adapter(leaf):
-        continue
-      w, ab = leaf.rsplit("_lora_", 1)
-      for module, block in zip(modules[(stack, w)], np.asarray(a)):
-        name = f"{_PEFT_PREFIX}{module}.lora_{ab.upper()}.weight"
-        tensors[name] = np.ascontiguousarray(np.swapaxes(block, -1, -2))
+  for where, layout in hf_leaves(cfg, adapters=True).items():
+    group, _, leaf = where.rpartition("/")
+    if lora.is_adapter(leaf) and leaf in params.get(group, {}):
+      for name, _, block in hf_blocks(layout, params[group][leaf]):
+        tensors[name] = np.ascontiguousarray(block)
   config = {
       "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
       "r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "lora_dropout": 0.0, "bias": "none",

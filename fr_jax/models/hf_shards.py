@@ -14,6 +14,12 @@ nothing is gathered.
 
 The safetensors file a relay writes is laid out from the manifest alone (`header`,
 `data_offsets`), so the relay writes each piece where it belongs as it arrives (`runs`).
+
+A LoRA model is published unmerged: its base weights under their HF names and its adapters
+under PEFT's (`hf_io.adapter_name`), with the scale alpha / r (`Manifest.lora_scale`). From
+one version to the next only the adapters' pieces change, so a relay that holds the previous
+version receives the adapters' bytes and an all-zero delta (a few bytes) for every base
+piece; it folds the adapters into the file its server loads (`write_merged`).
 """
 
 from __future__ import annotations
@@ -23,14 +29,18 @@ import dataclasses
 import functools
 import json
 import math
+import os
 from collections.abc import Callable
 
 import numpy as np
 
-from fr_jax.models import hf_io
+from fr_jax.models import hf_io, lora
 from fr_jax.models.config import ModelConfig
 
 SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+# A relay's file of a LoRA version as fetched (base and adapters, a safetensors file under a
+# name servers do not load), beside the merged model.safetensors (`write_merged`).
+ADAPTED_FILE = "fetched-lora.safetensors.part"
 
 
 class ManifestError(ValueError):
@@ -50,6 +60,20 @@ class Manifest:
   dtype: str
   tensors: dict  # HF name -> shape, sorted by name
   pieces: tuple[Piece, ...]
+  # A LoRA model's versions: its adapters travel beside the unchanged base weights, under
+  # PEFT's names (`hf_io.adapter_name`), and a relay folds them in with this scale (alpha / r)
+  # before its server loads the version (`write_merged`). 0: no adapters.
+  lora_scale: float = 0.0
+
+  @functools.cached_property
+  def adapters(self) -> dict[str, tuple[str, str]]:
+    """{adapter tensor: (the HF tensor it adapts, "a" or "b")}; empty without LoRA."""
+    return {n: w for n in self.tensors if (w := hf_io.adapted_weight(n)) is not None}
+
+  @property
+  def served_tensors(self) -> dict:
+    """{HF name: shape} of the model the servers load: the tensors less the adapters."""
+    return {n: s for n, s in self.tensors.items() if n not in self.adapters}
 
   @property
   def itemsize(self) -> int:
@@ -64,7 +88,8 @@ class Manifest:
 
   def to_json(self) -> str:
     return json.dumps({"dtype": self.dtype, "tensors": self.tensors,
-                       "pieces": [[p.tensor, p.start, p.shape, p.host] for p in self.pieces]})
+                       "pieces": [[p.tensor, p.start, p.shape, p.host] for p in self.pieces],
+                       "lora_scale": self.lora_scale})
 
   @classmethod
   def from_json(cls, text: str) -> Manifest:
@@ -75,7 +100,7 @@ class Manifest:
       m = cls(str(d["dtype"]), {str(k): tuple(int(x) for x in v)
                                 for k, v in sorted(d["tensors"].items())},
               tuple(Piece(str(t), tuple(int(x) for x in s), tuple(int(x) for x in sh), int(h))
-                    for t, s, sh, h in d["pieces"]))
+                    for t, s, sh, h in d["pieces"]), float(d.get("lora_scale", 0.0)))
     except (ValueError, KeyError, TypeError) as e:
       raise ManifestError(f"unreadable manifest: {e}") from None
     m.check()
@@ -94,6 +119,27 @@ class Manifest:
     short = [k for k, s in self.tensors.items() if covered[k] != math.prod(s)]
     if short:
       raise ManifestError(f"the pieces of {short[:3]} do not add up to the tensors")
+    self._check_adapters()
+
+  def _check_adapters(self) -> None:
+    """Each adapter pairs an A [r, in] and a B [out, r] of one rank with a weight [out, in]
+    of the manifest, and the scale is a positive number (ManifestError otherwise)."""
+    if not self.adapters:
+      return
+    if not (math.isfinite(self.lora_scale) and self.lora_scale > 0):
+      raise ManifestError(f"LoRA adapters with lora_scale {self.lora_scale}: not positive")
+    ranks = set()
+    for name, (weight, ab) in self.adapters.items():
+      w = self.tensors.get(weight)
+      other = hf_io.adapter_name(weight, "b" if ab == "a" else "a")
+      shape = self.tensors[name]
+      if w is None or len(w) != 2 or other not in self.tensors or len(shape) != 2 or (
+          shape[1] != w[1] if ab == "a" else shape[0] != w[0]):
+        raise ManifestError(f"adapter {name!r} {shape} does not fit a weight {weight!r} "
+                            f"{w} with its other factor")
+      ranks.add(shape[0] if ab == "a" else shape[1])
+    if len(ranks) != 1:
+      raise ManifestError(f"LoRA adapters of several ranks: {sorted(ranks)}")
 
   # --- the safetensors file ---
   @functools.cached_property
@@ -171,7 +217,7 @@ def _owned_blocks(params, cfg: ModelConfig, host_of: Callable):
 
 
 def _leaves(params, cfg: ModelConfig):
-  for path, layout in hf_io.hf_leaves(cfg).items():
+  for path, layout in hf_io.hf_leaves(cfg, adapters=lora.has_adapters(params)).items():
     group, _, leaf = path.rpartition("/")
     yield layout, (params[group][leaf] if group else params[leaf])
 
@@ -194,15 +240,17 @@ def manifest_of(params, cfg: ModelConfig, dtype: str,
   tensors = dict(sorted(tensors.items()))
   order = {n: i for i, n in enumerate(tensors)}
   pieces.sort(key=lambda p: (order[p.tensor], p.start))
-  m = Manifest(dtype, tensors, tuple(pieces))
+  m = Manifest(dtype, tensors, tuple(pieces),
+               cfg.lora_scale if lora.has_adapters(params) else 0.0)
   m.check()
   return m
 
 
 def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-  """{HF name: shape} of the model `cfg` describes (no memory: shapes only)."""
+  """{HF name: shape} of the plain model `cfg` describes, adapters left out (no memory:
+  shapes only)."""
   from fr_jax.models import decoder
-  zeros = _zeros(decoder.param_shapes(cfg))
+  zeros = _zeros(decoder.param_shapes(cfg.replace(lora_rank=0)))
   return dict(manifest_of(zeros, cfg, cfg.param_dtype if cfg.param_dtype in SAFETENSORS_DTYPES
                           else "float32").tensors)
 
@@ -237,3 +285,39 @@ def local_pieces(params, cfg: ModelConfig, manifest: Manifest, host: int,
   if missing:
     raise ManifestError(f"host {host} holds none of pieces {missing[:3]} its manifest names")
   return out
+
+
+def write_merged(src, manifest: Manifest, dst) -> int:
+  """Writes `dst`, the safetensors file a server loads, from `src`, the file a relay
+  assembled from a LoRA model's `manifest` (its base weights and adapters): each adapted
+  weight W [out, in] becomes W + scale B A (in float32, stored in the manifest's dtype), the
+  adapters are left out, every other tensor is copied as it is. One tensor in memory at a
+  time. Returns the bytes written."""
+  dtype = hf_io._np_dtype(manifest.dtype)
+  served = manifest.served_tensors
+  out = Manifest(manifest.dtype, served,
+                 tuple(Piece(n, (0,) * len(s), s, 0) for n, s in served.items()))
+  data = np.memmap(src, np.uint8, "r")
+  at, offsets = len(manifest.header()), manifest.data_offsets()
+
+  def tensor(name):
+    a, b = offsets[name]
+    return data[at + a:at + b].view(dtype).reshape(manifest.tensors[name])
+
+  factors = {(w, ab): n for n, (w, ab) in manifest.adapters.items()}
+  header = out.header()
+  with open(dst, "wb") as f:
+    f.write(header)
+    n = len(header)
+    for name in served:
+      w = tensor(name)
+      if (name, "a") in factors:
+        a, b = tensor(factors[(name, "a")]), tensor(factors[(name, "b")])
+        delta = b.astype(np.float32) @ a.astype(np.float32)
+        w = (w.astype(np.float32) + np.float32(manifest.lora_scale) * delta).astype(dtype)
+      raw = np.ascontiguousarray(w).reshape(-1).view(np.uint8)
+      f.write(raw)
+      n += raw.size
+    f.flush()
+    os.fsync(f.fileno())
+  return n

@@ -246,7 +246,12 @@ class Relay:
 
     def fill(d: Path) -> None:
       nonlocal vf, stats
-      vf = shard_fetch.VersionFile(d / "model.safetensors", manifest, v)
+      # A LoRA version is fetched as its base and adapters (only the adapters change from
+      # one version to the next: deltas move their bytes alone) and folded into the plain
+      # model the server loads; the fetched file stays beside it, under a name no server
+      # loads, for the peers this relay serves and the next version's deltas.
+      lora_file = d / hf_shards.ADAPTED_FILE if manifest.adapters else None
+      vf = shard_fetch.VersionFile(lora_file or d / "model.safetensors", manifest, v)
       with self._files_lock:
         replaced = self.files.pop(v, None)  # the same version again (a server reset)
         self.files[v] = vf
@@ -254,6 +259,8 @@ class Relay:
         replaced.close()
       stats = shard_fetch.fetch(vf, sources, self._open_stream, base=base, stop=stop,
                            streams=self.streams)
+      if lora_file is not None:
+        hf_shards.write_merged(lora_file, manifest, d / "model.safetensors")
       (d / "config.json").write_text(json.dumps(to_hf_config(cfg), indent=2))
       for name, text in (self.tokenizer_files or {}).items():
         (d / name).write_text(text)

@@ -85,9 +85,10 @@ def check_flat(cfg: ModelConfig, flat: dict) -> ModelConfig:
 
 
 def check_manifest(cfg: ModelConfig, manifest: hf_shards.Manifest) -> ModelConfig:
-  """A shards manifest (HF names): the configured model with its dtype, once checked."""
+  """A shards manifest (HF names): the configured model with its dtype, once checked (a
+  LoRA model's adapters are checked against their weights by the manifest itself)."""
   cfg = received_config(cfg, "lm_head.weight" in manifest.tensors, manifest.dtype)
-  return check_shapes(cfg, manifest.tensors, hf_shards.hf_tensor_shapes(cfg))
+  return check_shapes(cfg, manifest.served_tensors, hf_shards.hf_tensor_shapes(cfg))
 
 
 def hf_major(params: dict) -> dict:

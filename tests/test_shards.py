@@ -288,23 +288,36 @@ def test_fanout_skips_relays_not_heard_from():
   assert fan.parent("d", "d:1", 5) == ""  # no live relay with room: the hosts
 
 
+def shard_learner():
+  """Process 0's weight side as launch.learner sets it up: the learner's gRPC service (the
+  stand-in `PublishedWeights`) with a bf16 ShardHost. Returns (service, server, port)."""
+  from tests.sglang_standin import PublishedWeights
+  service = PublishedWeights()
+  service.shards = shards.ShardHost("bfloat16")
+  return (service, *srv.serve(service))
+
+
+def publish_shards(service, v, params, cfg, whole=None):
+  """Publishes `params` as version v: their shards (one host) and the whole weights
+  (`whole`, default the params themselves). Returns the manifest."""
+  arrays = sharded(params)
+  m = hf_shards.manifest_of(arrays, cfg, "bfloat16")
+  service.shards.put(v, m, hf_shards.local_pieces(arrays, cfg, m, 0))
+  service.publish(v, params if whole is None else whole)
+  return m
+
+
 def test_a_relay_follows_a_learner_that_serves_shards(tmp_path, model):
   """`Relay.run` against the learner's gRPC service with a ShardHost (process 0's setup in
   launch.learner): each version lands whole in its directory, bit-equal to the bf16 export;
   the second comes as deltas; a relay configured for another model stops with RelayError."""
   from fr_jax.transport import relay as relaylib
-  from tests.sglang_standin import PublishedWeights
   cfg, params = model
-  service = PublishedWeights()
-  service.shards = shards.ShardHost("bfloat16")
-  server, port = srv.serve(service)
+  service, server, port = shard_learner()
   loads = []
 
   def publish(v, p):
-    arrays = sharded(p)
-    m = hf_shards.manifest_of(arrays, cfg, "bfloat16")
-    service.shards.put(v, m, hf_shards.local_pieces(arrays, cfg, m, 0))
-    service.publish(v, p)
+    publish_shards(service, v, p, cfg)
 
   client = WeightsClient(f"127.0.0.1:{port}", worker_id="relay@test")
   r = relaylib.Relay(client, lambda path, v: loads.append((path, v)), tmp_path / "relay", cfg,
@@ -423,23 +436,16 @@ def test_a_lora_version_moves_only_its_adapters_and_the_server_gets_the_merged_m
   its server loads is the merged model (`lora.merged`, the learner's own fold, in bf16) with
   no adapter tensors; the fetched file stays under a name no server loads."""
   from fr_jax.transport import relay as relaylib
-  from tests.sglang_standin import PublishedWeights
   base_cfg, base = model
   cfg, params = lora_model(base_cfg, base, 0)
   _, other = lora_model(base_cfg, base, 1)  # version 2: the same base, new adapters
   params2 = {**params, "layers": {k: other["layers"][k] if lora.is_adapter(k) else a
                                   for k, a in params["layers"].items()}}
-  service = PublishedWeights()
-  service.shards = shards.ShardHost("bfloat16")
-  server, port = srv.serve(service)
+  service, server, port = shard_learner()
   loads = []
 
   def publish(v, p):
-    arrays = sharded(p)
-    m = hf_shards.manifest_of(arrays, cfg, "bfloat16")
-    service.shards.put(v, m, hf_shards.local_pieces(arrays, cfg, m, 0))
-    service.publish(v, lora.merged(p, cfg))
-    return m
+    return publish_shards(service, v, p, cfg, whole=lora.merged(p, cfg))
 
   client = WeightsClient(f"127.0.0.1:{port}", worker_id="relay@test")
   r = relaylib.Relay(client, lambda path, v: loads.append((path, v)), tmp_path / "relay",

@@ -23,7 +23,10 @@ restarted on the same run_dir resumes them. How calls become records (segments, 
 An API key is required (`--api_key`, or $FR_JAX_GATEWAY_KEY). The endpoint binds to loopback
 unless `gateway.address` says otherwise; give `--tls_cert`/`--tls_key` to serve HTTPS. The
 in-process learner stops after `max_updates` (the last stdout line is its summary); with
-`--learner`, the gateway runs until the learner's run is over or SIGTERM.
+`--learner`, the gateway runs until the learner's run is over or SIGTERM. At the end, calls
+in flight are answered 503 `shutting_down` (their turns are not kept: send them again to the
+next gateway), rewarded records the learner has not acknowledged stay in the journal, and the
+process exits 0.
 """
 
 import os
@@ -45,6 +48,7 @@ flags.DEFINE_string("tls_key", "", "PEM key of --tls_cert")
 flags.DEFINE_string("journal", "", "the journal file (default: run_dir/gateway.db)")
 flags.DEFINE_string("worker_id", "gateway", "name in the learner's worker stats")
 FLAGS = flags.FLAGS
+LINGER_S = 1.0  # at the end, how long calls are still answered 503 shutting_down
 
 
 def _bind(address: str) -> tuple[str, int]:
@@ -137,6 +141,12 @@ def main(argv):
         if hb is not None and hb["shutdown"]:
           break
   finally:
+    # A clean end: calls in flight are aborted and answered 503 shutting_down; for LINGER_S
+    # more, new calls get the same answer (agents hear why, rather than a reset connection);
+    # then the server stops, and the gateway's threads and the engine's after it.
+    gateway.begin_close()
+    gateway.drain()
+    time.sleep(LINGER_S)
     server.shutdown()
     counters = gateway.metrics()
     gateway.close()

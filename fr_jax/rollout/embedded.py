@@ -33,6 +33,10 @@ with `routed_experts_start` gets the rows of its positions from there on
 (`Completion.routed_experts`, `ModelConfig.routing_dtype`); tokens decoded after a weight swap
 carry the new weights' routing, the ones before it the old: the experts that really ran.
 
+Streaming. A request's `on_token` is called with each token as it is sampled, after the decode
+step that sampled it; returning False ends that request alone ("abort", keeping what was
+sampled), and its slot goes to the next request.
+
 Eviction is bounded by the slots themselves (num_slots sequences of max_len): a request takes,
 in order of preference, (1) the free slot holding the longest prefix of its prompt, (2) an
 empty slot, (3) the least recently used free slot, whose common prefix with the prompt (a
@@ -122,11 +126,13 @@ def _powers_of_two(lo: int, hi: int) -> list[int]:
 
 
 class _Slot:
-  __slots__ = ("req", "tokens", "logprobs", "versions", "pos", "t0", "ttft", "routes")
+  __slots__ = ("req", "tokens", "logprobs", "versions", "pos", "t0", "ttft", "routes",
+               "aborted")
 
   def __init__(self, req: Request, t0: float):
     self.req, self.tokens, self.logprobs, self.versions = req, [], [], []
     self.pos, self.t0, self.ttft = len(req.prompt_ids), t0, 0.0
+    self.aborted = False  # its on_token asked to stop
     self.routes = []  # MoE: routing rows of the fed positions 0.., in order (arrays)
 
   def routing(self) -> np.ndarray | None:
@@ -265,6 +271,8 @@ class EmbeddedEngine:
     s.tokens.append(tok)
     s.logprobs.append(lp)
     s.versions.append(self.version)
+    if s.req.on_token is not None and s.req.on_token(tok, lp) is False:
+      s.aborted = True
 
   def _finished(self, s: _Slot) -> str | None:
     r = s.req
@@ -276,7 +284,7 @@ class EmbeddedEngine:
         return "stop"
     if len(s.tokens) >= r.max_new_tokens or s.pos >= self.max_len:
       return "length"
-    return None
+    return "abort" if s.aborted else None
 
   def _done(self, slot: int, s: _Slot, reason: str) -> Completion:
     """`s`'s completion, once it leaves slot `slot`. The slot then holds its prompt and every

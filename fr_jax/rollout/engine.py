@@ -8,6 +8,9 @@ embedded JAX engine (`fr_jax.rollout.embedded`), an SGLang server or gateway
 (`fr_jax.rollout.sglang`) and a vLLM server (`fr_jax.rollout.vllm`); `fr_jax.system`'s engine
 factory builds the one a config names.
 
+Streaming. A request's `on_token` hears each token as it is sampled (the embedded engine calls
+it after every decode step) and may abort that request alone by returning False.
+
 Routing replay (mixture-of-experts models). A request with `routed_experts_start = s` (not
 None) asks for the experts each fed position used: the completion's `routed_experts` is an
 integer array [n, sparse layers, k] for positions s .. prompt_len + len(token_ids) - 2 (every
@@ -38,6 +41,12 @@ class Request:
   stop_strings: tuple[str, ...] = ()
   # Routing replay: report the experts of positions >= this one (None: do not report).
   routed_experts_start: int | None = None
+  # Streaming: called with each token as it is sampled (its id and behaviour log-prob), on
+  # the engine's thread, so it must not block. Returning False aborts this request alone: its
+  # completion keeps what was sampled, finish_reason "abort". Engines that sample on a server
+  # (SGLang, vLLM) call it with each token once the server's answer is in.
+  on_token: Callable[[int, float], bool] | None = dataclasses.field(default=None, repr=False,
+                                                                    compare=False)
 
   def check(self, vocab_size: int | None = None):
     if not self.prompt_ids:
@@ -67,6 +76,16 @@ class Completion:
   # int [n, sparse layers, k]: experts of the positions routed_experts_start.. (Request);
   # None unless the request asked.
   routed_experts: Any = None
+
+
+def hand_over(r: Request, ids: Sequence[int], logprobs: Sequence[float]) -> bool:
+  """Gives `r.on_token` each of `ids` in order; False once it has asked to stop."""
+  if r.on_token is None:
+    return True
+  for t, lp in zip(ids, logprobs):
+    if r.on_token(int(t), float(lp)) is False:
+      return False
+  return True
 
 
 class Engine(Protocol):

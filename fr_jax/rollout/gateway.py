@@ -54,7 +54,6 @@ max_tokens is cut to what is left, and a call with nothing left is refused as
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
 import logging
 import math
@@ -65,9 +64,8 @@ import threading
 import time
 import uuid
 
-import numpy as np
-
 from fr_jax.rollout import tool_formats
+from fr_jax.rollout.batcher import Batcher, EngineClosed
 from fr_jax.rollout.chat_render import (
   GatewayError,
   Renderer,
@@ -76,13 +74,14 @@ from fr_jax.rollout.chat_render import (
   canonical_arguments,
   normalize_messages,
   normalize_tools,
-  reply_mark,
   sampling,
 )
 from fr_jax.rollout.embedded import common_prefix
 from fr_jax.rollout.engine import Completion, Request
+from fr_jax.rollout.follower import WeightFollower
 from fr_jax.rollout.gateway_state import REWARDED_KEPT, Episode, Journal, Segment
-from fr_jax.trajectory import RETRY_REASONS, Trajectory
+from fr_jax.rollout.gateway_turns import TextStream, align_chat, align_text, reply_text
+from fr_jax.trajectory import RETRY_REASONS
 
 log = logging.getLogger("fr_jax.gateway")
 
@@ -104,71 +103,10 @@ class GatewayConfig:
   weights: str = "arrays"  # the engine's weight_format: arrays (embedded) | hf (a server)
 
 
-# --- the engine side ---
+def _shutting_down() -> GatewayError:
+  return GatewayError(503, "shutting_down", "the gateway is shutting down; the call was not "
+                      "kept, send it again to the next one")
 
-class Batcher:
-  """Runs an engine that takes one caller at a time (the embedded one) on its own thread,
-  batching the calls that wait: every call waiting when a batch starts joins it. Weight swaps
-  run on the same thread, between batches."""
-
-  def __init__(self, engine, max_batch: int):
-    self.engine, self.max_batch = engine, max(1, max_batch)
-    self.q: queue.Queue = queue.Queue()
-    self.thread = threading.Thread(target=self._run, daemon=True, name="gateway-engine")
-    self.thread.start()
-
-  def generate(self, req: Request) -> Completion:
-    fut: concurrent.futures.Future = concurrent.futures.Future()
-    self.q.put((req, fut))
-    return fut.result()
-
-  def call(self, fn) -> None:
-    """Runs fn() on the engine thread, between batches; returns when it has run."""
-    fut: concurrent.futures.Future = concurrent.futures.Future()
-    self.q.put((fn, fut))
-    fut.result()
-
-  def _run(self):
-    while True:
-      item = self.q.get()
-      if item is None:
-        return
-      items = [item]
-      while len(items) < self.max_batch:
-        try:
-          nxt = self.q.get_nowait()
-        except queue.Empty:
-          break
-        if nxt is None:
-          self.q.put(None)
-          break
-        items.append(nxt)
-      reqs = []
-      for what, fut in items:
-        if callable(what):
-          try:
-            fut.set_result(what())
-          except BaseException as e:  # noqa: BLE001 (handed to the caller)
-            fut.set_exception(e)
-        else:
-          reqs.append((what, fut))
-      if not reqs:
-        continue
-      try:
-        outs = self.engine.generate([r for r, _ in reqs])
-      except BaseException as e:  # noqa: BLE001 (handed to every caller of the batch)
-        for _, fut in reqs:
-          fut.set_exception(e)
-        continue
-      for (_, fut), c in zip(reqs, outs):
-        fut.set_result(c)
-
-  def close(self):
-    self.q.put(None)
-    self.thread.join(timeout=30)
-
-
-# --- the gateway ---
 
 class Gateway:
   """Episodes from OpenAI-style calls on `engine`; rewarded ones go to `client` (the worker's
@@ -193,6 +131,7 @@ class Gateway:
     self.producer = self.journal.meta("producer", f"gateway-{uuid.uuid4().hex[:8]}")
     self.next_seq = int(self.journal.meta("next_seq", "0"))
     self.lock = threading.Lock()  # guards open, busy, rewarded, next_seq, metrics
+    self.reward_lock = threading.Lock()  # rewards one at a time (`reward`)
     self.open: dict[str, Episode] = {e.id: e for e in self.journal.episodes()}
     self.busy: set[str] = set()
     # the last REWARDED_KEPT rewarded ids, the journal's across a restart
@@ -202,6 +141,9 @@ class Gateway:
     self.max_drift = 0
     self.calls = 0
     self.stop = threading.Event()
+    self.closing = threading.Event()  # calls are refused and the ones in flight aborted
+    self.follower = WeightFollower(client, engine, cfg.weights, "gateway",
+                                   swap=self.batcher.call if self.batcher else None)
     self.t0 = time.monotonic()
     self.outbox: queue.Queue = queue.Queue()
     pending = self.journal.records()
@@ -227,6 +169,8 @@ class Gateway:
       episode_id = uuid.uuid4().hex
     elif not isinstance(episode_id, str) or not EPISODE_ID.match(episode_id):
       raise bad_request("episode id must be 1-128 characters of [A-Za-z0-9._:-]")
+    if self.closing.is_set():
+      raise _shutting_down()
     with self.lock:
       if episode_id in self.rewarded:
         raise GatewayError(409, "episode_finished",
@@ -250,7 +194,8 @@ class Gateway:
       if commit:
         self.open[ep.id] = ep
 
-  def _generate(self, seq: list[int], s: Sampling, ep: Episode) -> Completion:
+  def _generate(self, seq: list[int], s: Sampling, ep: Episode,
+                stream: TextStream) -> Completion:
     budget = self.cfg.max_total_tokens - len(seq)
     if budget < 1:
       raise bad_request(f"the episode's segment holds {len(seq)} tokens, the most a record may "
@@ -263,14 +208,25 @@ class Gateway:
     req = Request(f"{self.producer}-{n}-{ep.id}", list(seq),
                   max_new_tokens=min(s.max_tokens or self.cfg.max_new_tokens, budget),
                   temperature=s.temperature, top_p=s.top_p, seed=seed,
-                  stop_token_ids=self.stop_ids, stop_strings=s.stop)
+                  stop_token_ids=self.stop_ids, stop_strings=s.stop, on_token=stream.on_token)
     try:
-      c = self.batcher.generate(req) if self.batcher else self.engine.generate([req])[0]
+      c = (self.batcher.generate(req) if self.batcher else
+           self.engine.generate([req], should_abort=stream.cancelled)[0])
+    except EngineClosed:
+      raise _shutting_down() from None
     except self.engine_errors as e:
+      self.follower.engine_failed()
       with self.lock:
         self.m["engine_errors"] += 1
       raise GatewayError(503, "engine_unavailable", f"the engine failed: {e}") from None
     if c.finish_reason == "abort":
+      if self.closing.is_set():
+        raise _shutting_down()
+      if stream.cancelled():  # the client went away (a stream it stopped reading)
+        with self.lock:
+          self.m["calls_cancelled"] += 1
+        raise GatewayError(499, "client_closed_request", "the client closed the request; "
+                           "its turn was not kept")
       raise GatewayError(503, "engine_unavailable", "the engine aborted the request")
     return c
 
@@ -285,49 +241,13 @@ class Gateway:
     last = c.token_ids[-1] if c.token_ids else None
     seg.stop_text = (self.tok.decode([last]) if c.finish_reason == "stop"
                      and last in self.stop_ids else "")
-    text = self.tok.decode([t for t in c.token_ids if t not in self.stop_ids])
-    cut = [text.find(x) for x in s.stop if x in text]
-    return text[:min(cut)] if cut else text
+    return reply_text(self.tok, self.stop_ids, c.token_ids, s.stop)[0]
 
-  def _check_room(self, ep: Episode) -> None:
-    if len(ep.segments) >= self.cfg.max_segments:
+  def _check_room(self, ep: Episode, reason: str | None) -> None:
+    if reason not in (None, "first") and len(ep.segments) >= self.cfg.max_segments:
       raise bad_request(f"episode {ep.id!r} would start segment {len(ep.segments) + 1} (at most "
                         f"{self.cfg.max_segments}); post its reward and start a new one",
                         "too_many_segments")
-
-  def _align_chat(self, ep: Episode, msgs, tools) -> tuple[Segment, str | None]:
-    """(the segment this call feeds, why it is a new one): the last segment extended by the
-    new turns (a copy; reason None), or a new segment (reason "first" or why the call does
-    not continue the last one)."""
-    prev = ep.segments[-1] if ep.segments else None
-    reason = "first"
-    if prev is not None:
-      j = len(prev.msgs)
-      if prev.kind != "chat":
-        reason = "endpoint_changed"
-      elif len(msgs) <= j or msgs[:j] != prev.msgs:
-        reason = "history_changed"
-      elif msgs[j] != prev.last_reply:
-        reason = "reply_changed"
-      elif tools != prev.tools:
-        reason = "tools_changed"
-      else:
-        r = self.renderer.render(msgs, tools, prev.replies + [j])
-        head = prev.rendered + reply_mark(j)
-        if r.exact and r.text.startswith(head):
-          rest = r.text[len(head):]
-          if prev.stop_text and rest.startswith(prev.stop_text):
-            rest = rest[len(prev.stop_text):]
-          seg = prev.copy()
-          seg.extend(self.renderer.encode(rest, r.texts), action=False,
-                     version=self.engine.version)
-          seg.msgs, seg.rendered, seg.replies = msgs, r.text, prev.replies + [j]
-          return seg, None
-        reason = "template_not_append_only"
-      self._check_room(ep)
-    r = self.renderer.render(msgs, tools)
-    return Segment("chat", self.renderer.prompt(r), msgs=msgs, tools=tools,
-                   rendered=r.text), reason
 
   def _commit(self, ep: Episode, seg: Segment, reason: str | None) -> Episode:
     """The episode with `seg` fed and answered, committed to the journal (the open episode
@@ -362,14 +282,23 @@ class Gateway:
     committed = None
     try:
       seg, reason = align()
+      self._check_room(ep, reason)
       out = run(seg)
       committed = self._commit(ep, seg, reason)
       return committed, out, seg
     finally:
       self._release(committed or ep, committed is not None)
 
-  def chat(self, body: dict, episode_id: str | None = None) -> dict:
-    """One /v1/chat/completions call; returns the response object."""
+  def _stream(self, s: Sampling, on_text, cancel: threading.Event | None) -> TextStream:
+    cancel = cancel or threading.Event()
+    return TextStream(self.tok, self.stop_ids, s.stop, on_text,
+                      lambda: cancel.is_set() or self.closing.is_set())
+
+  def chat(self, body: dict, episode_id: str | None = None, on_text=None,
+           cancel: threading.Event | None = None) -> dict:
+    """One /v1/chat/completions call; returns the response object. `on_text` hears the
+    reply's text as it is sampled (`gateway_turns.TextStream`; not when the call offers
+    tools: the reply may turn out to be a tool call); `cancel` set aborts the call."""
     msgs = normalize_messages(body.get("messages"), self.cfg.max_messages)
     tools = normalize_tools(body)
     if tools and self.renderer.fmt is None:
@@ -377,10 +306,11 @@ class Gateway:
                         f"gateway.tool_format to one of {tool_formats.FORMATS} to use tools",
                         "tools_unsupported")
     s = sampling(body, self.cfg.max_stop)
+    stream = self._stream(s, None if tools else on_text, cancel)
     ep = self._take(episode_id or body.get("episode_id"))
 
     def run(seg):
-      c = self._generate(seg.seq, s, ep)
+      c = self._generate(seg.seq, s, ep, stream)
       text = self._sampled(seg, c, s)
       parsed = (tool_formats.parse(self.renderer.fmt, text) if tools
                 else tool_formats.Parsed(text))
@@ -391,7 +321,8 @@ class Gateway:
       seg.last_reply = reply
       return c, parsed
 
-    ep, (c, parsed), seg = self._call(ep, lambda: self._align_chat(ep, msgs, tools), run)
+    align = lambda: align_chat(self.renderer, ep.last, msgs, tools, self.engine.version)  # noqa: E731
+    ep, (c, parsed), seg = self._call(ep, align, run)
     with self.lock:
       self.m["chat_calls"] += 1
       self.m["tool_parse_errors"] += parsed.error is not None
@@ -421,8 +352,10 @@ class Gateway:
             "episode_id": ep.id, "segment": len(ep.segments) - 1,
             "policy_version": int(c.versions[-1]) if c.versions else self.engine.version}
 
-  def complete(self, body: dict, episode_id: str | None = None) -> dict:
-    """One /v1/completions call (a string prompt, or token ids kept as sent)."""
+  def complete(self, body: dict, episode_id: str | None = None, on_text=None,
+               cancel: threading.Event | None = None) -> dict:
+    """One /v1/completions call (a string prompt, or token ids kept as sent); `on_text` and
+    `cancel` as for `chat`."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
       prompt = prompt[0]
@@ -434,16 +367,18 @@ class Gateway:
     elif not isinstance(prompt, str) or not prompt:
       raise bad_request("prompt must be a non-empty string or a list of token ids")
     s = sampling(body, self.cfg.max_stop)
+    stream = self._stream(s, on_text, cancel)
     ep = self._take(episode_id or body.get("episode_id"))
 
     def run(seg):
-      c = self._generate(seg.seq, s, ep)
+      c = self._generate(seg.seq, s, ep, stream)
       text = self._sampled(seg, c, s)
       if isinstance(prompt, str):
         seg.text = prompt + self.tok.decode(c.token_ids)
       return c, text
 
-    ep, (c, text), seg = self._call(ep, lambda: self._align_text(ep, prompt), run)
+    align = lambda: align_text(self.tok, ep.last, prompt, self.engine.version)  # noqa: E731
+    ep, (c, text), seg = self._call(ep, align, run)
     with self.lock:
       self.m["completion_calls"] += 1
     choice = {"index": 0, "text": text, "logprobs": None,
@@ -454,32 +389,6 @@ class Gateway:
     out = self._response("text_completion", choice, ep, seg, c)
     out["choices"][0]["token_ids"] = list(c.token_ids)
     return out
-
-  def _align_text(self, ep: Episode, prompt) -> tuple[Segment, str | None]:
-    """As `_align_chat`, for /v1/completions: a prompt that starts with the segment's whole
-    sequence (token ids) or its whole text (a string) continues it."""
-    prev = ep.segments[-1] if ep.segments else None
-    if isinstance(prompt, list):
-      ids, kind = list(prompt), "tokens"
-    else:
-      ids, kind = self.tok.encode(prompt), "text"
-    reason = "first"
-    if prev is not None:
-      if prev.kind != kind:
-        reason = "endpoint_changed"
-      elif kind == "tokens" and len(ids) > len(prev.seq) and ids[:len(prev.seq)] == prev.seq:
-        seg = prev.copy()
-        seg.extend(ids[len(prev.seq):], action=False, version=self.engine.version)
-        return seg, None
-      elif kind == "text" and len(prompt) > len(prev.text) and prompt.startswith(prev.text):
-        seg = prev.copy()
-        seg.extend(self.tok.encode(prompt[len(prev.text):], add_bos=False), action=False,
-                   version=self.engine.version)
-        return seg, None
-      else:
-        reason = "history_changed"
-      self._check_room(ep)
-    return Segment(kind, ids), reason
 
   # --- rewards ---
   def reward(self, episode_id: str, body: dict) -> dict:
@@ -503,40 +412,31 @@ class Gateway:
         raise GatewayError(409, "episode_busy", f"episode {episode_id!r} has a call in progress")
       self.busy.add(episode_id)
     try:
-      with self.lock:
+      # One reward at a time numbers its records, writes them and queues them: the learner
+      # takes a producer's records in number order (a lower one after a higher is a repeat).
+      with self.reward_lock:
         seq0 = self.next_seq
-      recs = []
-      for seg in ep.segments:
-        if not any(seg.mask):
-          continue
-        t = Trajectory(
-            prompt_id=prompt_id or ep.id, prompt_tokens=np.asarray(seg.prompt_ids, np.int32),
-            completion_tokens=np.asarray(seg.tokens, np.int32),
-            action_mask=np.asarray(seg.mask, bool),
-            behavior_logp=np.asarray(seg.logp, np.float32), reward=float(r),
-            policy_version=np.asarray(seg.versions, np.int32), finish_reason=seg.finish_reason,
-            num_tool_calls=seg.tool_calls, num_turns=seg.turns, env="gateway",
-            traj_id=f"{self.producer}/{seq0 + len(recs)}")
-        recs.append((seq0 + len(recs), t))
-      try:
-        self.journal.finish(ep.id, recs, seq0 + len(recs))
-      except sqlite3.Error as e:
-        self.m["journal_errors"] += 1
-        raise GatewayError(503, "journal_unavailable", f"could not record the reward ({e}); "
-                           "the episode is still open, post it again") from None
-      with self.lock:
-        self.next_seq = seq0 + len(recs)
-        del self.open[ep.id]
-        self.rewarded[ep.id] = True
-        while len(self.rewarded) > REWARDED_KEPT:
-          self.rewarded.popitem(last=False)
-        self.m["episodes_rewarded"] += 1
-        self.m["records"] += len(recs)
+        recs = ep.records(float(r), prompt_id or ep.id, self.producer, seq0)
+        try:
+          self.journal.finish(ep.id, recs, seq0 + len(recs))
+        except sqlite3.Error as e:
+          with self.lock:
+            self.m["journal_errors"] += 1
+          raise GatewayError(503, "journal_unavailable", f"could not record the reward ({e}); "
+                             "the episode is still open, post it again") from None
+        with self.lock:
+          self.next_seq = seq0 + len(recs)
+          del self.open[ep.id]
+          self.rewarded[ep.id] = True
+          while len(self.rewarded) > REWARDED_KEPT:
+            self.rewarded.popitem(last=False)
+          self.m["episodes_rewarded"] += 1
+          self.m["records"] += len(recs)
+        for _, t in recs:
+          self.outbox.put(t)
     finally:
       with self.lock:
         self.busy.discard(episode_id)
-    for _, t in recs:
-      self.outbox.put(t)
     return {"episode_id": ep.id, "records": [t.traj_id for _, t in recs],
             "segments": len(ep.segments), "drift_tokens": ep.drift_tokens}
 
@@ -588,28 +488,13 @@ class Gateway:
           log.warning("gateway: could not drop expired episode %s (%s)", i, e)
 
   def _follow(self):
-    """Heartbeats, and loads the learner's newer weights between engine batches."""
+    """Heartbeats, and loads the learner's newer weights (between engine batches)."""
     while not self.stop.is_set():
       try:
-        hb = self.client.heartbeat(self.stats())
-        if hb is not None and hb["version"] != self.engine.version:
-          self._load(hb)
+        self.follower.follow(self.client.heartbeat(self.stats()))
       except Exception as e:  # noqa: BLE001 (a failed load is tried again at the next beat)
         log.warning("gateway: weights not loaded (%s)", e)
       self.stop.wait(self.cfg.heartbeat_every_s)
-
-  def _load(self, hb: dict) -> None:
-    if self.cfg.weights == "hf":
-      if hb.get("hf_dir"):
-        self.engine.update_weights(hb["hf_dir"], hb["version"])
-      return
-    got = self.client.get_weights(hb["version"])
-    if got is None:
-      return
-    v, params, _ = got
-    swap = lambda: self.engine.update_weights(params, v)  # noqa: E731
-    self.batcher.call(swap) if self.batcher else swap()
-    log.info("gateway: weights -> version %d", v)
 
   def stats(self) -> dict:
     with self.lock:
@@ -625,7 +510,25 @@ class Gateway:
               "segments_by_reason": dict(self.splits), "max_drift_tokens": self.max_drift,
               "tool_format": self.renderer.fmt, **dict(self.m)}
 
-  def close(self):
+  def begin_close(self) -> None:
+    """Refuses new calls and aborts the ones in flight: both answer 503 `shutting_down`, and
+    an aborted call's turn is not kept. Rewards are still taken (a journal write each)."""
+    self.closing.set()
+
+  def drain(self, timeout_s: float = 30.0) -> bool:
+    """Waits (up to `timeout_s`) until no call or reward is in progress; True if none is."""
+    t_end = time.monotonic() + timeout_s
+    while self.busy and time.monotonic() < t_end:
+      time.sleep(0.01)
+    return not self.busy
+
+  def close(self, timeout_s: float = 30.0) -> None:
+    """`begin_close`, `drain`, then stops the background threads and the engine's thread
+    and closes the journal. Records not yet acknowledged stay in the journal, sent again by
+    the next gateway on it."""
+    self.begin_close()
+    if not self.drain(timeout_s):
+      log.warning("gateway: closing with %d call(s) still in flight", len(self.busy))
     self.stop.set()
     for t in self.threads:
       t.join(timeout=10)

@@ -18,6 +18,8 @@ import json
 import sqlite3
 import threading
 
+import numpy as np
+
 from fr_jax.trajectory import Trajectory
 from fr_jax.transport import codec
 
@@ -66,6 +68,30 @@ class Episode:
   segments: list[Segment] = dataclasses.field(default_factory=list)
   touched: float = 0.0
   drift_tokens: int = 0
+
+  @property
+  def last(self) -> Segment | None:
+    """The segment a call may continue."""
+    return self.segments[-1] if self.segments else None
+
+  def records(self, reward: float, prompt_id: str, producer: str,
+              seq0: int) -> list[tuple[int, Trajectory]]:
+    """(number, record) of each segment that sampled anything, numbered from `seq0`, ids
+    `producer/number`, every one with the episode's reward."""
+    out = []
+    for seg in self.segments:
+      if not any(seg.mask):
+        continue
+      n = seq0 + len(out)
+      out.append((n, Trajectory(
+          prompt_id=prompt_id, prompt_tokens=np.asarray(seg.prompt_ids, np.int32),
+          completion_tokens=np.asarray(seg.tokens, np.int32),
+          action_mask=np.asarray(seg.mask, bool),
+          behavior_logp=np.asarray(seg.logp, np.float32), reward=reward,
+          policy_version=np.asarray(seg.versions, np.int32), finish_reason=seg.finish_reason,
+          num_tool_calls=seg.tool_calls, num_turns=seg.turns, env="gateway",
+          traj_id=f"{producer}/{n}")))
+    return out
 
   def state(self) -> str:
     return json.dumps(dataclasses.asdict(self))

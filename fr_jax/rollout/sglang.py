@@ -58,7 +58,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from fr_jax.models.config import ModelConfig
-from fr_jax.rollout.engine import FINISH, Completion, Request
+from fr_jax.rollout.engine import FINISH, Completion, Request, hand_over
 from fr_jax.rollout.http_engine import EngineError, Reason, ServerEngine
 
 __all__ = ["R3_FLAG", "Reason", "SGLangEngine", "SGLangError"]
@@ -222,8 +222,9 @@ class SGLangEngine(ServerEngine):
         ttft = time.perf_counter() - t0
       ids += new_ids
       lps += new_lps
+      wanted = hand_over(r, new_ids, new_lps)
       versions += [self.version if wv is None else wv] * len(new_ids)
-      if (reason != "abort" or len(ids) >= r.max_new_tokens
+      if (reason != "abort" or len(ids) >= r.max_new_tokens or not wanted
           or (should_abort is not None and should_abort())):
         break
     if reason == "abort" and len(ids) >= r.max_new_tokens:

@@ -63,7 +63,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from fr_jax.models.hf_io import untie_head
-from fr_jax.rollout.engine import FINISH, Completion, Request
+from fr_jax.rollout.engine import FINISH, Completion, Request, hand_over
 from fr_jax.rollout.http_engine import EngineError, Reason, ServerEngine
 
 __all__ = ["VLLMEngine", "VLLMError", "Reason", "SERVER_FLAGS", "SERVER_ENV"]
@@ -212,8 +212,9 @@ class VLLMEngine(ServerEngine):
         ttft = time.perf_counter() - t0
       ids += new_ids
       lps += new_lps
+      wanted = hand_over(r, new_ids, new_lps)
       versions += [self.version if v is None else v for v in new_versions]
-      if (reason != "abort" or len(ids) >= r.max_new_tokens
+      if (reason != "abort" or len(ids) >= r.max_new_tokens or not wanted
           or (should_abort is not None and should_abort())):
         break
     if reason == "abort" and len(ids) >= r.max_new_tokens:

@@ -37,6 +37,7 @@ import uuid
 
 from fr_jax.envs.base import prompt_dataset, stable_hash
 from fr_jax.rollout.agent import AgentConfig, AgentLoop
+from fr_jax.rollout.follower import WeightFollower
 
 log = logging.getLogger("fr_jax.worker")
 
@@ -49,15 +50,14 @@ class Worker:
                fixed_lag: int = -1, batch_size: int = 0, engine_errors: tuple = (),
                backoff_min_s: float = 0.5, backoff_max_s: float = 30.0,
                max_task_attempts: int = 3):
-    if weights not in ("arrays", "hf"):
-      raise ValueError(f"weights={weights!r}: choose arrays (embedded) or hf (SGLang)")
     if fixed_lag >= 0 and (batch_size < 1 or weights != "arrays"
                            or not hasattr(client, "weights_at")):
       raise ValueError("fixed_lag needs batch_size >= 1, the embedded engine (weights as "
                        "arrays) and an in-process client (versions by number)")
     self.client, self.engine, self.env = client, engine, env
     self.loop = AgentLoop(engine, tokenizer, env, agent_cfg)
-    self.worker_id, self.weights_mode = worker_id, weights
+    self.worker_id = worker_id
+    self.follower = WeightFollower(client, engine, weights, worker_id)
     self.inflight = max(1, inflight)
     self.tasks = iter(prompt_dataset(env, "train", seed=seed, shard_index=shard_index,
                                      num_shards=num_shards))
@@ -71,7 +71,6 @@ class Worker:
     self.engine_errors = tuple(engine_errors)
     self.backoff_min_s, self.backoff_max_s = backoff_min_s, backoff_max_s
     self.engine_failures: collections.Counter = collections.Counter()  # by reason
-    self._reload = False  # load the learner's weights at the next sync, whatever the version
     self.max_task_attempts = max(1, max_task_attempts)
     self._task_failures: collections.Counter = collections.Counter()  # task_id -> failures
     self.tasks_given_up = 0
@@ -102,22 +101,8 @@ class Worker:
     self.shutdown = bool(hb["shutdown"])
     if hb.get("inflight_target"):
       self.inflight = int(hb["inflight_target"])
-    if self.fixed_lag >= 0:
-      return  # the schedule loads weights (`_load_scheduled`)
-    # Newer, or older after a learner restart; or the engine failed since the last load (a
-    # restarted server comes back with the weights it was launched with).
-    if hb["version"] != self.engine.version or self._reload:
-      if self.weights_mode == "hf":
-        if hb["hf_dir"]:
-          self.engine.update_weights(hb["hf_dir"], hb["version"])
-          self._reload = False
-      else:
-        got = self.client.get_weights(hb["version"])
-        if got is not None:
-          v, params, _ = got
-          self.engine.update_weights(params, v)
-          self._reload = False
-          log.info("%s: weights -> version %d", self.worker_id, v)
+    if self.fixed_lag < 0:  # at a fixed lag the schedule loads weights (`_load_scheduled`)
+      self.follower.follow(hb)
 
   def _new_episode(self, eps, seeds, task=None):
     task = next(self.tasks) if task is None else task
@@ -169,7 +154,8 @@ class Worker:
         self.loop.step(eps, seeds)
         backoff = self.backoff_min_s
       except self.engine_errors as e:
-        self._last_hb, self._reload = 0.0, True  # sync again, weights too
+        self._last_hb = 0.0  # sync again, weights too
+        self.follower.engine_failed()
         eps, seeds, backoff = self._ride_out(e, eps, backoff, stop)
         continue
       for e in eps:

@@ -224,6 +224,44 @@ def test_http_errors_and_bad_answers_are_named_and_not_retried():
     far.close()
 
 
+@pytest.mark.parametrize("body,reason,match", [
+    (b'data: {"n": 1}\n\ndata: {"n": 2}\n\n', Reason.UNREACHABLE, "ended without"),
+    (b'data: {"n": 1}\n\ndata: {"error": {"message": "boom"}}\n\n', Reason.HTTP_STATUS,
+     "ended in an error: .*boom"),
+    (b'data: {"n": 1}\n\ndata: {oops\n\n', Reason.BAD_ANSWER, "not JSON"),
+])
+def test_a_broken_event_stream_is_named(body, reason, match):
+  """HTTPClient.events (the servers' streamed answers): the events before the break are
+  handed over; a stream cut before [DONE], an error event and an event that is not JSON fail
+  with their reasons."""
+  from fr_jax.rollout.http_engine import HTTPClient
+
+  class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+      pass
+
+    def do_POST(self):
+      self.rfile.read(int(self.headers["Content-Length"]))
+      self.send_response(200)
+      self.send_header("Content-Type", "text/event-stream")
+      self.end_headers()  # HTTP/1.0: the body ends when the connection closes
+      self.wfile.write(body)
+
+  http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+  threading.Thread(target=http.serve_forever, daemon=True).start()
+  client = HTTPClient(f"http://127.0.0.1:{http.server_address[1]}", SGLangError, retries=0)
+  got = []
+  try:
+    with pytest.raises(SGLangError, match=match) as e:
+      for event in client.events("/generate", {}):
+        got.append(event)
+    assert e.value.reason is reason and got[0] == {"n": 1}
+  finally:
+    client.close()
+    http.shutdown()
+    http.server_close()
+
+
 # --- the stand-in server: log-probs against an independent forward ---
 @pytest.fixture()
 def served():

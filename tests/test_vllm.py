@@ -232,6 +232,27 @@ def test_abort_returns_the_partial_tokens(engine):
   assert partial and 0 < partial[0] < 480
 
 
+def test_a_streamed_request_equals_the_unstreamed_and_stops_when_told(engine):
+  """A request with `on_token` is streamed: its callback hears every token in order as the
+  chunks come, and the completion equals the unstreamed one's for the same seed (tokens,
+  log-probs, versions). Its callback returning False aborts the request on the server: the
+  completion ends `abort` short of its limit, and the callback heard no more."""
+  req = lambda rid, **k: Request(rid, [5, 6, 7], max_new_tokens=24, temperature=1.0,  # noqa: E731
+                                 seed=11, **k)
+  (whole,) = engine.generate([req("whole")])
+  heard = []
+  (streamed,) = engine.generate([req("streamed", on_token=lambda t, lp: heard.append((t, lp)))])
+  assert streamed.token_ids == whole.token_ids and len(whole.token_ids) == 24
+  assert streamed.logprobs == whole.logprobs and streamed.versions == whole.versions
+  assert heard == list(zip(streamed.token_ids, streamed.logprobs))
+  told = []
+  stop_at_3 = lambda t, lp: told.append(t) or len(told) < 3  # noqa: E731
+  (c,) = engine.generate([Request("stop", [5, 6], max_new_tokens=480, temperature=1.0,
+                                  on_token=stop_at_3)])
+  assert c.finish_reason == "abort" and 3 <= len(c.token_ids) < 480 and len(told) == 3
+  assert c.token_ids[:3] == told and len(c.logprobs) == len(c.versions) == len(c.token_ids)
+
+
 @jax.jit
 def _logits(params, seq_1xL):
   h, _ = decoder.forward(params, CFG, seq_1xL, jnp.arange(seq_1xL.shape[1])[None])
@@ -378,8 +399,9 @@ def test_the_relay_delivers_versions_and_the_server_serves_exactly_them(server, 
 
 def test_the_gateway_records_vllms_tokens_exactly(engine):
   """The OpenAI-compatible gateway over the vLLM engine (rollout.engine=vllm): an agent's
-  two calls and its reward become one record whose sampled tokens carry vLLM's log-probs,
-  which are the learner's log-probs of those tokens (T = 1), and version 0."""
+  two calls (the second streamed) and its reward become one record whose sampled tokens carry
+  vLLM's log-probs, which are the learner's log-probs of those tokens (T = 1), and version
+  0."""
   import openai
 
   from fr_jax.rollout.gateway import Gateway, GatewayConfig
@@ -399,8 +421,10 @@ def test_the_gateway_records_vllms_tokens_exactly(engine):
                                         extra_headers=head)
     msgs += [r1.choices[0].message.model_dump(exclude_none=True),
              {"role": "user", "content": "and 4?"}]
-    client.chat.completions.create(model="m", messages=msgs, seed=2, temperature=1.0,
-                                   extra_headers=head)
+    stream = client.chat.completions.create(model="m", messages=msgs, seed=2, temperature=1.0,
+                                            extra_headers=head, stream=True)
+    pieces = [c.choices[0].delta.content for c in stream
+              if c.choices and c.choices[0].delta.content]
     gw.reward("ep-1", {"reward": 1.0})
     wait_for(lambda: rec.got, 30, "the record")
   finally:
@@ -414,6 +438,12 @@ def test_the_gateway_records_vllms_tokens_exactly(engine):
   assert m.sum() >= 2 and (~m).sum() > 0  # sampled tokens and the template's between them
   np.testing.assert_allclose(t.behavior_logp[m], lp[m], atol=1e-3)
   assert (t.behavior_logp[~m] == 0).all() and set(t.policy_version[m].tolist()) == {0}
+  # The second call was streamed (vLLM's own stream, token by token): its pieces join to the
+  # text of the tokens it sampled, the record's last run of actions.
+  last = np.flatnonzero(~m)[-1] + 1
+  assert m[last:].all()
+  sampled = [x for x in t.completion_tokens[last:].tolist() if x not in tok.stop_ids()]
+  assert len(pieces) > 1 and "".join(pieces) == tok.decode(sampled)
 
 
 def test_a_server_that_reports_raw_logprobs_is_refused(server, tmp_path):

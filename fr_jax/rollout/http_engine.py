@@ -128,14 +128,7 @@ class HTTPClient:
                                timeout=(self.connect_timeout, timeout))
       body = r.content
     except requests.RequestException as e:
-      cause = _cause(e)
-      if isinstance(e, requests.ReadTimeout) or isinstance(cause, ReadTimeoutError):
-        raise self.error(f"{path}: no answer from {self.base_url} within {timeout} s "
-                         "(not retried: the server has the request)", Reason.TIMEOUT) from e
-      exhausted = any(isinstance(a, MaxRetryError) for a in e.args)
-      tries = f" in {self.retries + 1} attempts" if exhausted else ""
-      raise self.error(f"{path}: cannot reach {self.base_url}{tries} "
-                       f"({type(cause).__name__}: {cause})", Reason.UNREACHABLE) from e
+      raise self._failed(path, e, timeout) from e
     if r.status_code >= 400:
       raise self.error(f"{path}: HTTP {r.status_code}: "
                        f"{body[:500].decode(errors='replace')}", Reason.HTTP_STATUS)
@@ -144,6 +137,51 @@ class HTTPClient:
     except ValueError as e:
       raise self.error(f"{path}: the answer is not JSON: {body[:200]!r}",
                        Reason.BAD_ANSWER) from e
+
+  def _failed(self, path: str, e: requests.RequestException, timeout: float) -> EngineError:
+    cause = _cause(e)
+    if isinstance(e, requests.ReadTimeout) or isinstance(cause, ReadTimeoutError):
+      return self.error(f"{path}: no answer from {self.base_url} within {timeout} s "
+                        "(not retried: the server has the request)", Reason.TIMEOUT)
+    exhausted = any(isinstance(a, MaxRetryError) for a in e.args)
+    tries = f" in {self.retries + 1} attempts" if exhausted else ""
+    return self.error(f"{path}: cannot reach {self.base_url}{tries} "
+                      f"({type(cause).__name__}: {cause})", Reason.UNREACHABLE)
+
+  def events(self, path: str, payload: dict, timeout: float | None = None):
+    """A streamed answer's server-sent events, each one's JSON, until `data: [DONE]`.
+    `timeout` bounds each wait for the next bytes. Failures as `call`'s; a stream that breaks
+    or ends without [DONE] is UNREACHABLE, an `error` event the server's answer."""
+    timeout = self.timeout if timeout is None else timeout
+    try:
+      r = self.session.post(self.base_url + path, data=json.dumps(payload).encode(),
+                            stream=True, timeout=(self.connect_timeout, timeout))
+    except requests.RequestException as e:
+      raise self._failed(path, e, timeout) from e
+    with r:
+      if r.status_code >= 400:
+        raise self.error(f"{path}: HTTP {r.status_code}: "
+                         f"{r.content[:500].decode(errors='replace')}", Reason.HTTP_STATUS)
+      try:
+        for line in r.iter_lines():
+          if not line.startswith(b"data:"):
+            continue
+          data = line[5:].strip()
+          if data == b"[DONE]":
+            return
+          try:
+            event = json.loads(data)
+          except ValueError as e:
+            raise self.error(f"{path}: a streamed event is not JSON: {data[:200]!r}",
+                             Reason.BAD_ANSWER) from e
+          if isinstance(event, dict) and "error" in event:
+            raise self.error(f"{path}: the stream ended in an error: {str(event)[:500]}",
+                             Reason.HTTP_STATUS)
+          yield event
+      except requests.RequestException as e:
+        raise self._failed(path, e, timeout) from e
+    raise self.error(f"{path}: the stream from {self.base_url} ended without [DONE]",
+                     Reason.UNREACHABLE)
 
   def healthy(self) -> bool:
     try:

@@ -11,8 +11,9 @@ Routes (every one but /health needs `Authorization: Bearer KEY`):
 * `GET /v1/models`, `GET /metrics` (the gateway's counters), `GET /health`.
 
 Streaming (`"stream": true`): server-sent events in OpenAI's chunk format, the reply's text as
-the engine samples it (the embedded engine hands each token over after its decode step; the
-SGLang and vLLM clients once the server's answer is in). A chat call that offers tools streams
+the engine samples it (the embedded engine hands each token over after its decode step, the
+vLLM client as vLLM's own stream brings it, the SGLang client once the server's answer is
+in). A chat call that offers tools streams
 its reply when it ends, since the text may turn out to be a tool call. The first event is
 sent once the call has a first piece of text (so a call refused before that gets its error as
 a plain JSON response with its status); the last chunk carries `segment`, `policy_version` and

@@ -28,6 +28,14 @@ The server (`launch/vllm_server.py` starts one with every flag below; vLLM 0.32)
   remaining budget, as the SGLang engine does.
 * `--api-key`: every route above needs it (`VLLM_API_KEY` in the worker's environment).
 
+Streaming. A request with `on_token` (the gateway's, so that an agent sees its reply as it
+is sampled) is sent with `"stream": true`: vLLM answers with server-sent events, each chunk
+the tokens sampled since the last with their log-probs, and the last chunk with the finish
+reason and the `weight_versions` spans of the whole output. Each chunk's tokens go to
+`on_token` as they come; when it returns False the request is aborted on the server by its id
+and the stream read to its end. The completion is what the unstreamed answer would have been
+(the test compares them). A worker's requests have no `on_token` and are not streamed.
+
 vLLM 0.32 on CPU stops its whole server when `reload_weights` fails (a path that is not a
 model directory, measured): the engine checks that the directory holds config.json and
 safetensors before asking, and a relay writes only whole versions. Shapes are the relay's
@@ -205,14 +213,16 @@ class VLLMEngine(ServerEngine):
     ids, lps, versions, ttft = [], [], [], 0.0
     reason = "abort"
     for _ in range(self.max_resumes + 1):
-      answer = self.http.call(GENERATE, self.payload(r, r.prompt_ids + ids,
-                                                     r.max_new_tokens - len(ids)))
-      new_ids, new_lps, reason, new_versions = self.parse(answer)
+      payload = self.payload(r, r.prompt_ids + ids, r.max_new_tokens - len(ids))
+      if r.on_token is None:
+        new_ids, new_lps, reason, new_versions = self.parse(self.http.call(GENERATE, payload))
+        wanted = True
+      else:
+        (new_ids, new_lps, reason, new_versions), wanted = self._streamed(r, payload)
       if new_ids and not ids:
         ttft = time.perf_counter() - t0
       ids += new_ids
       lps += new_lps
-      wanted = hand_over(r, new_ids, new_lps)
       versions += [self.version if v is None else v for v in new_versions]
       if (reason != "abort" or len(ids) >= r.max_new_tokens or not wanted
           or (should_abort is not None and should_abort())):
@@ -220,6 +230,36 @@ class VLLMEngine(ServerEngine):
     if reason == "abort" and len(ids) >= r.max_new_tokens:
       reason = "length"
     return Completion(r.request_id, ids, lps, reason, versions, len(r.prompt_ids), ttft)
+
+  def _streamed(self, r: Request, payload: dict):
+    """One generate call, streamed: each chunk's tokens go to `r.on_token` as they come;
+    once it asks to stop, the request is aborted on the server and the stream read to its
+    end. (`parse`'s answer for the whole, whether `on_token` still wanted tokens.) The
+    server sends the weight-version spans of the whole output with the last chunk."""
+    ids, content, reason, spans, wanted = [], [], None, [], True
+    for event in self.http.events(GENERATE, {**payload, "stream": True}):
+      if not event.get("choices"):
+        continue  # a usage chunk
+      try:
+        (choice,) = event["choices"]
+        new = [int(t) for t in choice["token_ids"]]
+        new_content = (choice.get("logprobs") or {}).get("content") or []
+        new_lps = [float(e["logprob"]) for e in new_content]
+      except (KeyError, TypeError, ValueError) as e:
+        raise VLLMError(f"{GENERATE}: unexpected chunk shape ({type(e).__name__}: {e}): "
+                        f"{str(event)[:300]}", Reason.BAD_ANSWER) from None
+      ids += new
+      content += new_content
+      reason = choice.get("finish_reason") or reason
+      spans = choice.get("weight_versions") or spans
+      if wanted and not hand_over(r, new, new_lps):
+        wanted = False
+        with contextlib.suppress(VLLMError):
+          self.http.call("/inference/v1/abort_requests",
+                         {"request_ids": [ID_PREFIX + r.request_id]})
+    whole = {"choices": [{"token_ids": ids, "logprobs": {"content": content},
+                          "finish_reason": reason, "weight_versions": spans}]}
+    return self.parse(whole), wanted
 
   def generate(self, requests: Sequence[Request],
                should_abort: Callable[[], bool] | None = None) -> list[Completion]:

@@ -27,6 +27,11 @@ The server is `vllm.entrypoints.openai.api_server` with:
   and OpenMP threads left to float (`VLLM_CPU_OMP_THREADS_BIND=nobind`: vLLM's default pins
   one core and keeps the other for itself, which on 2 cores leaves nothing for the learner).
 
+For a LoRA run (`model.lora.rank` R in the learner's config) give `--lora_rank=R` and the
+base model (the learner's frozen weights): each version then loads as a PEFT adapter beside
+them (`--enable-lora`, `VLLM_ALLOW_RUNTIME_LORA_UPDATING`; the relay writes adapter
+directories), a few megabytes instead of the whole model.
+
 It prints `vllm: serving <model> at http://host:port (ready in N s)` once /health answers,
 then stays in the foreground with the server; SIGTERM or Ctrl-C stops both. The server's own
 log goes to --log (default: stderr). Any further arguments after `--` go to vLLM as they are.
@@ -54,6 +59,14 @@ class ServerError(RuntimeError):
   """The server did not start: the reason and the tail of its log."""
 
 
+def lora_args(rank: int) -> tuple[str, ...]:
+  """vLLM's flags for a LoRA run's adapters of `rank` (fr_jax/rollout/vllm.py, "LoRA"): a
+  few loaded at once, as `VLLMEngine.ADAPTERS_KEPT` keeps them."""
+  from fr_jax.rollout.vllm import VLLMEngine
+  return ("--enable-lora", "--max-lora-rank", str(rank),
+          "--max-loras", str(VLLMEngine.ADAPTERS_KEPT + 1))
+
+
 def server_command(model_dir, *, host: str = "127.0.0.1", port: int = 30000,
                    enforce_eager: bool = True,
                    dtype: str = "float32", max_model_len: int = 2048, python=None,
@@ -72,7 +85,7 @@ def server_command(model_dir, *, host: str = "127.0.0.1", port: int = 30000,
 
 
 def server_env(api_key: str | None, *, kv_cache_gib: int = 1, threads: int | None = None,
-               base=None) -> dict:
+               base=None, lora: bool = False) -> dict:
   """The server's environment: the dev routes, the key, a bounded CPU KV cache."""
   from fr_jax.rollout.vllm import SERVER_ENV
   env = dict(os.environ if base is None else base)
@@ -82,6 +95,8 @@ def server_env(api_key: str | None, *, kv_cache_gib: int = 1, threads: int | Non
                        "VLLM_DO_NOT_TRACK": "1"}
   if threads:
     env["OMP_NUM_THREADS"] = str(threads)
+  if lora:  # /v1/load_lora_adapter and /v1/unload_lora_adapter
+    env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
   # the guard middleware (launch/vllm_guard.py) is imported by the server from this checkout
   env["PYTHONPATH"] = os.pathsep.join(
       [str(ROOT), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
@@ -93,8 +108,10 @@ def server_env(api_key: str | None, *, kv_cache_gib: int = 1, threads: int | Non
 def start(model_dir, *, port: int, api_key: str | None, host: str = "127.0.0.1",
           enforce_eager: bool = True,
           dtype: str = "float32", max_model_len: int = 2048, kv_cache_gib: int = 1,
-          log=None, python=None, threads: int | None = None, extra=()) -> subprocess.Popen:
-  """Starts a server process (its own process group, so `stop` ends its engine too)."""
+          log=None, python=None, threads: int | None = None, extra=(),
+          lora_rank: int = 0) -> subprocess.Popen:
+  """Starts a server process (its own process group, so `stop` ends its engine too);
+  `lora_rank` > 0 lets it load a LoRA run's adapters of that rank at run time."""
   python = Path(python or DEFAULT_PYTHON)
   if not python.exists():
     raise ServerError(f"{python} not found: run `make vllm-tools` first (it builds "
@@ -109,8 +126,9 @@ def start(model_dir, *, port: int, api_key: str | None, host: str = "127.0.0.1",
   out = open(log, "ab") if log else None  # noqa: SIM115 (the child keeps it)
   return subprocess.Popen(
       server_command(model_dir, host=host, port=port, dtype=dtype, python=python,
-                     max_model_len=max_model_len, enforce_eager=enforce_eager, extra=extra),
-      env=server_env(api_key, kv_cache_gib=kv_cache_gib, threads=threads),
+                     max_model_len=max_model_len, enforce_eager=enforce_eager,
+                     extra=(*extra, *(lora_args(lora_rank) if lora_rank else ()))),
+      env=server_env(api_key, kv_cache_gib=kv_cache_gib, threads=threads, lora=lora_rank > 0),
       stdout=out or subprocess.DEVNULL, stderr=subprocess.STDOUT if out else None,
       stdin=subprocess.DEVNULL, start_new_session=True)
 
@@ -228,6 +246,8 @@ def main(argv=None) -> int:
   flags.DEFINE_bool("enforce_eager", True, "no compiled graphs (CPU: no compile at start; on "
                     "GPUs --noenforce_eager captures CUDA graphs, faster decode)")
   flags.DEFINE_float("ready_timeout_s", 300.0, "give up if /health does not answer by then")
+  flags.DEFINE_integer("lora_rank", 0, "a LoRA run (model.lora.rank): load its versions as "
+                       "adapters of this rank at run time (--enable-lora); 0: no adapters")
   from launch import common
   args = common.parse_flags(sys.argv if argv is None else argv)
   f = flags.FLAGS
@@ -254,7 +274,7 @@ def main(argv=None) -> int:
     proc = start(model_dir, port=f.port, host=f.host, api_key=key or None, dtype=f.dtype,
                  max_model_len=f.max_model_len, kv_cache_gib=f.kv_cache_gib,
                  log=f.log or None, python=f.python, enforce_eager=f.enforce_eager,
-                 extra=extra)
+                 extra=extra, lora_rank=f.lora_rank)
   except ServerError as e:
     common.fail(str(e))
   for sig in (signal.SIGTERM, signal.SIGINT):

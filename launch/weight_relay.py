@@ -137,7 +137,8 @@ def main(argv):
                   # retried: no answer (a load of the same path and version is idempotent)
                   unreachable=Engine.rides_out,
                   served=server.served_version,
-                  say=lambda line: print(line, flush=True), prepare=Engine.prepare_weights)
+                  say=lambda line: print(line, flush=True), prepare=Engine.prepare_weights,
+                  adapters=getattr(Engine, "loads_adapters", False))
   peers = None
   if FLAGS.serve_address:
     from fr_jax.transport import server as srv

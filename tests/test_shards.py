@@ -7,6 +7,7 @@ mixed-version streams.
 The reference is independent of the pieces: `hf_io.save_hf` of the whole parameters cast to
 the serving dtype (and `safetensors.safe_open` reading the relay's file)."""
 
+import json
 import threading
 from pathlib import Path
 
@@ -488,6 +489,38 @@ def test_a_lora_version_moves_only_its_adapters_and_the_server_gets_the_merged_m
         second.wire_bytes, adapter_bytes, m.nbytes)
   finally:
     stop.set()
+    client.close()
+    srv.stop(server, grace=0)
+
+
+def test_a_relay_for_an_engine_that_loads_adapters_writes_peft_directories(tmp_path, model):
+  """With `adapters` (vLLM's `loads_adapters`), a LoRA version reaches the server as a PEFT
+  adapter directory and nothing else to load: its tensors are `hf_io.save_peft`'s of what
+  crossed the wire (bf16), bit for bit, and its config says the same rank, alpha and
+  modules."""
+  from fr_jax.transport import relay as relaylib
+  base_cfg, base = model
+  cfg, params = lora_model(base_cfg, base, 0)
+  service, server, port = shard_learner()
+  loads = []
+  client = WeightsClient(f"127.0.0.1:{port}", worker_id="relay@test")
+  r = relaylib.Relay(client, lambda path, v: loads.append((path, v)), tmp_path / "relay",
+                     base_cfg, poll_s=0.05, say=lambda _: None, adapters=True)
+  try:
+    publish_shards(service, 1, params, cfg, whole=lora.merged(params, cfg))
+    r.run(threading.Event(), max_versions=1)
+    (path, v), = loads
+    wire = jax.tree.map(lambda a: a.astype(BF16).astype(np.float32), params)
+    want_dir = hf_io.save_peft(tmp_path / "peft", wire, cfg)
+    got, want = read_file(Path(path) / hf_io.PEFT_WEIGHTS), read_file(want_dir /
+                                                                       hf_io.PEFT_WEIGHTS)
+    assert v == 1 and sorted(got) == sorted(want) and len(got) == 2 * 3 * cfg.num_layers
+    for k in want:
+      np.testing.assert_array_equal(got[k].astype(np.float32), want[k], err_msg=k)
+    config = lambda d: json.loads((Path(d) / hf_io.PEFT_CONFIG).read_text())  # noqa: E731
+    assert config(path) == config(want_dir)
+    assert not any(f.name == "model.safetensors" for f in Path(path).iterdir())
+  finally:
     client.close()
     srv.stop(server, grace=0)
 

@@ -253,6 +253,52 @@ def test_a_streamed_request_equals_the_unstreamed_and_stops_when_told(engine):
   assert c.token_ids[:3] == told and len(c.logprobs) == len(c.versions) == len(c.token_ids)
 
 
+def test_lora_versions_load_as_adapters_and_sample_as_the_merged_model(server, tmp_path):
+  """A LoRA run on vLLM (`launch.vllm_server` with lora_rank): each version, a PEFT adapter
+  directory (`hf_io.save_peft`), loads with /v1/load_lora_adapter beside the base weights;
+  the tokens sampled after it carry its version, and their log-probs are the learner's on
+  the merged weights (base + scale B A) of that version. A server started without LoRA
+  refuses the load by name."""
+  from fr_jax.models import lora
+  lcfg = CFG.replace(lora_rank=8, lora_alpha=16.0, lora_targets=("wq", "wv", "w_up"))
+  versions = {}
+  for v, seed in ((5, 1), (6, 2)):
+    p = jax.tree.map(np.asarray, lora.init_adapters(params_of(0), lcfg, jax.random.key(seed)))
+    rng = np.random.default_rng(seed)
+    p["layers"] = {k: (0.3 * rng.standard_normal(a.shape)).astype(a.dtype)
+                   if k.endswith("_lora_b") else a for k, a in p["layers"].items()}
+    versions[v] = (hf_io.save_peft(tmp_path / f"v{v}", p, lcfg),
+                   jax.tree.map(np.asarray, lora.merged(p, lcfg)))
+  plain = VLLMEngine(server.url, api_key=KEY, timeout=120)
+  with pytest.raises(VLLMError, match="--lora_rank") as e:
+    plain.update_weights(versions[5][0], 5)
+  assert e.value.reason is Reason.MISCONFIGURED
+  plain.close()
+  port = free_port()
+  url = vllm_server.url_of("127.0.0.1", port)
+  log = tmp_path / "lora-server.log"
+  proc = vllm_server.start(server.dirs[0], port=port, api_key=KEY, log=log, max_model_len=512,
+                           lora_rank=8)
+  e = VLLMEngine(url, api_key=KEY, timeout=120)
+  try:
+    vllm_server.wait_ready(proc, url, log=log)
+    got = {}
+    for v, (d, merged) in versions.items():
+      e.update_weights(d, v)
+      assert e.served_version() == v
+      reqs = [Request(f"l{v}-{i}", p, max_new_tokens=12, temperature=1.0, seed=50 + i)
+              for i, p in enumerate(PROMPTS)]
+      for r, c in zip(reqs, e.generate(reqs)):
+        assert c.versions == [v] * len(c.token_ids) and len(c.token_ids) == 12
+        want = learner_logp(merged, CFG, r.prompt_ids, c.token_ids, 1.0)
+        np.testing.assert_allclose(c.logprobs, want, atol=1e-3)
+        got[(v, r.seed)] = c.token_ids
+    assert any(got[(5, s)] != got[(6, s)] for s in range(50, 54))  # the adapters differ
+  finally:
+    e.close()
+    vllm_server.stop(proc)
+
+
 @jax.jit
 def _logits(params, seq_1xL):
   h, _ = decoder.forward(params, CFG, seq_1xL, jnp.arange(seq_1xL.shape[1])[None])

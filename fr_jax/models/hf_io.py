@@ -409,13 +409,20 @@ def save_peft(path, params, cfg: ModelConfig, *, base_model: str = "") -> Path:
     if lora.is_adapter(leaf) and leaf in params.get(group, {}):
       for name, _, block in hf_blocks(layout, params[group][leaf]):
         tensors[name] = np.ascontiguousarray(block)
-  config = {
-      "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-      "r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "lora_dropout": 0.0, "bias": "none",
-      "target_modules": sorted(LORA_TARGETS[t] for t in cfg.lora_targets),
-      "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
-      "init_lora_weights": True, "modules_to_save": None, "inference_mode": True,
-  }
+  config = peft_config(cfg.lora_rank, cfg.lora_alpha,
+                       [LORA_TARGETS[t] for t in cfg.lora_targets], base_model)
   files = {PEFT_WEIGHTS: lambda p: save_file(tensors, str(p), metadata={"format": "pt"}),
            PEFT_CONFIG: json.dumps(config, indent=2)}
   return durable.write_files(Path(path), files)
+
+
+def peft_config(rank: int, alpha: float, modules, base_model: str = "") -> dict:
+  """PEFT's adapter_config.json for LoRA factors of `rank` and `alpha` on the HF modules
+  `modules` ("q_proj", ...)."""
+  return {
+      "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+      "r": int(rank), "lora_alpha": alpha, "lora_dropout": 0.0, "bias": "none",
+      "target_modules": sorted(set(modules)), "fan_in_fan_out": False, "use_rslora": False,
+      "use_dora": False, "init_lora_weights": True, "modules_to_save": None,
+      "inference_mode": True,
+  }

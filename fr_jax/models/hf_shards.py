@@ -321,3 +321,35 @@ def write_merged(src, manifest: Manifest, dst) -> int:
     f.flush()
     os.fsync(f.fileno())
   return n
+
+
+def write_peft(src, manifest: Manifest, dst_dir) -> int:
+  """Writes the PEFT adapter directory of a LoRA version into `dst_dir` (adapter_model
+  .safetensors with the manifest's adapters as they are, adapter_config.json with their rank,
+  alpha = scale x rank and the modules they adapt), from `src`, the file a relay assembled
+  from `manifest`: what an engine that loads adapters (vLLM's `/v1/load_lora_adapter`)
+  takes instead of the merged model. Returns the bytes of the adapter file."""
+  names = sorted(manifest.adapters)
+  tensors = {n: manifest.tensors[n] for n in names}
+  out = Manifest(manifest.dtype, tensors,
+                 tuple(Piece(n, (0,) * len(s), s, 0) for n, s in tensors.items()))
+  data = np.memmap(src, np.uint8, "r")
+  at, offsets = len(manifest.header()), manifest.data_offsets()
+  path = os.path.join(dst_dir, hf_io.PEFT_WEIGHTS)
+  header = out.header()
+  with open(path, "wb") as f:
+    f.write(header)
+    n = len(header)
+    for name in names:
+      a, b = offsets[name]
+      f.write(data[at + a:at + b])
+      n += b - a
+    f.flush()
+    os.fsync(f.fileno())
+  rank = next(manifest.tensors[m][0] for m, (_, ab) in manifest.adapters.items() if ab == "a")
+  modules = [w.removesuffix(".weight").rpartition(".")[2] for w, _ in manifest.adapters.values()]
+  alpha = manifest.lora_scale * rank
+  config = hf_io.peft_config(rank, int(alpha) if float(alpha).is_integer() else alpha, modules)
+  with open(os.path.join(dst_dir, hf_io.PEFT_CONFIG), "w") as f:
+    f.write(json.dumps(config, indent=2))
+  return n

@@ -119,8 +119,9 @@ class HTTPClient:
       self.session.headers["Authorization"] = f"Bearer {api_key}"
 
   def call(self, path: str, payload: dict | None = None, method: str = "POST",
-           params: dict | None = None, timeout: float | None = None):
-    """The answer's JSON ({} for an empty body); `error` with its reason otherwise."""
+           params: dict | None = None, timeout: float | None = None, text: bool = False):
+    """The answer's JSON ({} for an empty body; its text with `text`, for routes that
+    answer in words); `error` with its reason otherwise."""
     data = None if payload is None else json.dumps(payload).encode()
     timeout = self.timeout if timeout is None else timeout
     try:
@@ -132,6 +133,8 @@ class HTTPClient:
     if r.status_code >= 400:
       raise self.error(f"{path}: HTTP {r.status_code}: "
                        f"{body[:500].decode(errors='replace')}", Reason.HTTP_STATUS)
+    if text:
+      return body.decode(errors="replace")
     try:
       return json.loads(body) if body else {}
     except ValueError as e:

@@ -126,7 +126,7 @@ class Relay:
                fetch_timeout_s: float = 3600.0, max_fetch_attempts: int = 8,
                say: Callable[[str], None] = print, use_shards: bool | None = None,
                serve_address: str = "", streams: int = 1,
-               prepare: Callable[[Path], object] | None = None):
+               prepare: Callable[[Path], object] | None = None, adapters: bool = False):
     if keep < 1:
       raise ValueError(f"keep={keep}: keep at least the version the server loaded")
     self.client, self.load, self.out_dir = client, load, Path(out_dir)
@@ -150,6 +150,9 @@ class Relay:
     # finishes each version directory for the server before it becomes visible (the
     # engine's `prepare_weights`: vLLM's untied head)
     self.prepare = prepare
+    # a LoRA version goes to the server as a PEFT adapter directory, not a merged model (an
+    # engine that loads adapters: vLLM's `loads_adapters`)
+    self.adapters = adapters
     self.files: collections.OrderedDict = collections.OrderedDict()  # v -> VersionFile
     self._files_lock = threading.Lock()
     self.t_start = time.monotonic()
@@ -259,6 +262,9 @@ class Relay:
         replaced.close()
       stats = shard_fetch.fetch(vf, sources, self._open_stream, base=base, stop=stop,
                            streams=self.streams)
+      if lora_file is not None and self.adapters:
+        hf_shards.write_peft(lora_file, manifest, d)
+        return
       if lora_file is not None:
         hf_shards.write_merged(lora_file, manifest, d / "model.safetensors")
       (d / "config.json").write_text(json.dumps(to_hf_config(cfg), indent=2))

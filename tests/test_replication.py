@@ -262,3 +262,17 @@ def test_runner_rejects_bad_flags_with_a_clear_message(tmp_path):
     assert out.returncode != 0 and msg in out.stderr, out.stderr[-2000:]
     assert "Traceback" not in out.stderr
   assert not (tmp_path / "results.json").exists()  # nothing was run or written
+
+
+@pytest.mark.parametrize("variant", ["constlen_lr1e5_lag0", "constlen_lr1e5_lag2", "b64_lag0"])
+def test_lag_study_configs_are_the_validated_run_configs(variant):
+  """Both arms of a lag-study variant get the run config's derived fields: the synchronous
+  arm builds its Learner from `run_config` directly, and with `constant_length` it died at
+  the start (`objective.reduction=constant_length needs objective.length_norm > 0`) while
+  the system arm, validated by the launcher's path, ran."""
+  from experiments.replication.lag_study import VARIANTS
+  from fr_jax.learner import config as lcfg
+  c = VARIANTS[variant].run_config(3)
+  assert lcfg.ensure_valid(c) is c
+  if "constlen" in variant:  # the longest reply of a turn (fr_jax.config.validate)
+    assert c.objective.length_norm == c.agent.max_new_tokens > 0

@@ -81,7 +81,10 @@ class LMSetting:
       if not hasattr(node, leaf):
         raise KeyError(f"override {key!r}: the config has no {leaf!r} under {'.'.join(path)}")
       setattr(node, leaf, value)
-    return c
+    # Validated as every launcher validates it (derived fields too, such as constant_length's
+    # length_norm): the synchronous arm builds its Learner from this config directly.
+    from fr_jax import config as rcfg
+    return rcfg.validate(c)
 
   def run(self, seed: int, *, log: Callable[[str], None] | None = None) -> dict:
     return run(self, seed, log=log)

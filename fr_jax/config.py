@@ -83,6 +83,9 @@ def default_config() -> ml_collections.ConfigDict:
       # is undecided between two actions shows it only when sampled.
       temperature=0.0,
       num_slots=32,
+      # the start and end evaluations also run without the tool, per difficulty level:
+      # accuracy without it, and how well tool calls follow need (fr_jax/evaluate.py)
+      calibration=False,
   ))
   # The supervised warm start (launch.sft; launch.train runs it first when steps > 0).
   c.sft = ml_collections.ConfigDict(dict(

@@ -8,22 +8,35 @@ samples) and pass@k are reported too.
 
 Accuracy is the env's score of each episode; `reward` is what training sees (the score minus
 the env's tool charges, if it prices its tool). Envs whose tasks carry a `level` (difficulty)
-also get `by_level`: accuracy and tool calls per difficulty.
+also get `by_level`: accuracy, tool calls and reward per difficulty.
+
+Calibration (`calibration=True`, issue 60): does the agent call its tool where it would fail
+without it? The same tasks run again with the tool taken away (the env with `tools=()`: no
+tool in the system turn, no call executed), and per level `by_level` adds
+`accuracy_no_tool` (what the model knows by itself), `tool_attempts_no_tool` (replies that
+still wrote a call, which then scored 0), `reward_never` (the reward of never calling: the
+no-tool accuracy), `reward_always` (an estimate of always calling: the accuracy of the
+episodes that called, less the tool's price; None where none called) and `regret` (the best
+of those two fixed policies' reward, less the agent's). `calibration` sums it up:
+`need_vs_calls`, the correlation over levels between 1 - accuracy_no_tool and the tool-call
+rate (1: it calls exactly where it needs to), and the mean regret over levels.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
 
-from fr_jax.rollout.agent import AgentConfig, AgentLoop
+from fr_jax.rollout.agent import AgentConfig, AgentLoop, parse_tool_call
 from fr_jax.rollout.embedded import EmbeddedEngine
 
 
 def evaluate(model_config, params, tokenizer, env, agent: AgentConfig, *, n: int = 200,
              samples: int = 1, temperature: float = 1.0, num_slots: int = 32,
-             seed: int = 0, engine=None, greedy: bool | None = None) -> dict:
+             seed: int = 0, engine=None, greedy: bool | None = None,
+             calibration: bool = False) -> dict:
   """`engine` defaults to an embedded engine on `params`. Decoding is greedy when `greedy`
   (default: when samples == 1), else sampled at `temperature` with per-task seeds from
   `seed`, so two evaluations of one model see the same draws."""
@@ -62,15 +75,54 @@ def evaluate(model_config, params, tokenizer, env, agent: AgentConfig, *, n: int
   if samples > 1:
     out[f"avg@{samples}"] = float(scores.mean())
     out[f"pass@{samples}"] = float((scores.max(0) > 0).mean())
-  levels = sorted({t.meta["level"] for t in tasks if "level" in t.meta})
+  levels = list(dict.fromkeys(t.meta["level"] for t in tasks if "level" in t.meta))
   if levels:  # per difficulty, over every sample: accuracy and tool calls
     calls = np.array([t.num_tool_calls for t in trajs]).reshape(samples, n)
+    rewards = np.array([t.reward for t in trajs]).reshape(samples, n)
     out["by_level"] = {
         lv: dict(n=int(sel.sum()), accuracy=float(scores[:, sel].mean()),
-                 tool_calls_per_trajectory=float(calls[:, sel].mean()))
+                 tool_calls_per_trajectory=float(calls[:, sel].mean()),
+                 reward=float(rewards[:, sel].mean()))
         for lv in levels
         for sel in [np.array([t.meta.get("level") == lv for t in tasks])]}
+  if calibration:
+    if not levels or "python" not in getattr(env, "tools", ()):
+      raise ValueError(f"calibration needs an env with the python tool and levels; {env.name} "
+                       "has " + ("no levels" if not levels else "no tool"))
+    _calibrate(out, env, tasks, loop, cfg, engine, tokenizer, scores, calls,
+               [seed + s * n + i for s in range(samples) for i in range(n)], samples)
   return out
+
+
+def _calibrate(out, env, tasks, loop, cfg, engine, tokenizer, scores, calls, seeds, samples):
+  """The no-tool pass and the calibration figures (module docstring), into `out`."""
+  n = len(tasks)
+  bare = dataclasses.replace(env, tools=())
+  bare_loop = AgentLoop(engine, tokenizer, bare, cfg)
+  bare_scores = np.zeros((samples, n))
+  attempts = np.zeros((samples, n))
+  for s in range(samples):
+    ts, eps = bare_loop.run(tasks, seeds[s * n:(s + 1) * n])
+    bare_scores[s] = [e.score for e in eps]
+    attempts[s] = [parse_tool_call(tokenizer.decode(t.completion_tokens))[0] is not None
+                   for t in ts]
+  cost = float(getattr(env, "tool_cost", 0.0))
+  need, rate, regrets = [], [], []
+  for lv, row in out["by_level"].items():
+    sel = np.array([t.meta.get("level") == lv for t in tasks])
+    called = calls[:, sel] > 0
+    never = float(bare_scores[:, sel].mean())
+    always = (float(scores[:, sel][called].mean()) - cost) if called.any() else None
+    best = max(never, always) if always is not None else never
+    row.update(accuracy_no_tool=never, tool_attempts_no_tool=float(attempts[:, sel].mean()),
+               reward_never=never, reward_always=always, regret=best - row["reward"])
+    need.append(1.0 - never)
+    rate.append(row["tool_calls_per_trajectory"])
+    regrets.append(row["regret"])
+  corr = (float(np.corrcoef(need, rate)[0, 1])
+          if len(need) > 1 and np.std(need) > 0 and np.std(rate) > 0 else None)
+  out["calibration"] = dict(need_vs_calls=corr, mean_regret=float(np.mean(regrets)),
+                            accuracy_no_tool=float(bare_scores.mean()))
 
 
 def table(result: dict) -> str:
@@ -79,3 +131,21 @@ def table(result: dict) -> str:
   w = max(len(k) for k in rows)
   return "\n".join(f"{k:<{w}}  {v:.4f}" if isinstance(v, float) else f"{k:<{w}}  {v}"
                    for k, v in rows.items())
+
+
+def calibration_table(result: dict) -> str:
+  """Per level: accuracy without and with the tool, tool calls, reward, the best fixed
+  policy's reward and the regret; then the summary (`evaluate(..., calibration=True)`)."""
+  lines = [f"{'level':8}{'n':>5}{'no tool':>9}{'tool':>7}{'calls':>7}{'reward':>8}"
+           f"{'best fixed':>11}{'regret':>8}"]
+  for lv, x in result["by_level"].items():
+    best = x["reward_never"] if x["reward_always"] is None else max(x["reward_never"],
+                                                                      x["reward_always"])
+    lines.append(f"{lv:8}{x['n']:>5}{x['accuracy_no_tool']:>9.3f}{x['accuracy']:>7.3f}"
+                 f"{x['tool_calls_per_trajectory']:>7.2f}{x['reward']:>8.3f}{best:>11.3f}"
+                 f"{x['regret']:>8.3f}")
+  cal = result["calibration"]
+  corr = "n/a" if cal["need_vs_calls"] is None else f"{cal['need_vs_calls']:.3f}"
+  lines.append(f"tool calls against need (1 - no-tool accuracy), correlation over levels: "
+               f"{corr}; mean regret {cal['mean_regret']:.3f}")
+  return "\n".join(lines)

@@ -5,6 +5,9 @@ r"""Held-out evaluation of a model or a training checkpoint.
   python -m launch.evaluate --env=countdown --samples=4 --temperature=1.0
 
 Greedy decoding for --samples=1; with k > 1 samples per task it adds avg@k and pass@k.
+--calibration (tool_arithmetic, e.g. with --config.env.kwargs.levels: its difficulty bins)
+runs every task again without the tool and prints, per level, accuracy without and with it,
+tool calls, reward against the best fixed policy, and the correlation of calls with need.
 Reports accuracy, tool calls per trajectory, response length, truncation rate and turns as a
 table on stderr and one JSON line on stdout. The agent settings (template, limits) come from
 --config, the same as training.
@@ -27,6 +30,9 @@ flags.DEFINE_integer("n", 200, "held-out tasks (the first n of the test split)")
 flags.DEFINE_integer("samples", 1, "samples per task (1: greedy)")
 flags.DEFINE_float("temperature", 1.0, "sampling temperature when --samples > 1")
 flags.DEFINE_integer("step", None, "checkpoint step (default: the newest committed)")
+flags.DEFINE_bool("calibration", False, "also run every task without the tool: per "
+                  "difficulty level, accuracy without it, and how well tool calls follow need "
+                  "(envs with levels and the python tool: tool_arithmetic)")
 FLAGS = flags.FLAGS
 
 
@@ -48,7 +54,7 @@ def main(argv):
   import jax.numpy as jnp
 
   from fr_jax import envs, system
-  from fr_jax.evaluate import evaluate, table
+  from fr_jax.evaluate import calibration_table, evaluate, table
   from fr_jax.transport.codec import flatten
   params, version = model.params, 0
   if ck:
@@ -67,12 +73,16 @@ def main(argv):
   try:
     env = envs.make(c.env.name, **(c.env.kwargs.to_dict() if not FLAGS.env else {}))
     r = evaluate(model.config, params, model.tokenizer, env, system.agent_config(c),
-                 n=FLAGS.n, samples=FLAGS.samples, temperature=FLAGS.temperature)
+                 n=FLAGS.n, samples=FLAGS.samples, temperature=FLAGS.temperature,
+                 calibration=FLAGS.calibration)
   except ValueError as e:
     common.fail(str(e))
   r = {"model": c.model.name, "checkpoint": str(d / str(step)) if ck else "", "version": version,
        **r}
-  print(table(r), file=sys.stderr)
+  shown = ("by_level", "calibration") if FLAGS.calibration else ()
+  print(table({k: v for k, v in r.items() if k not in shown}), file=sys.stderr)
+  if FLAGS.calibration:
+    print(calibration_table(r), file=sys.stderr)
   common.print_json(r)
 
 

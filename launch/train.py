@@ -29,7 +29,7 @@ import time
 from launch import common
 
 
-def _evaluate(c, model, params, label, n):
+def _evaluate(c, model, params, label, n, calibration=False):
   from fr_jax import envs, system
   from fr_jax.evaluate import evaluate
   env = envs.make(c.env.name, **c.env.kwargs.to_dict())
@@ -38,13 +38,21 @@ def _evaluate(c, model, params, label, n):
         f"{'greedy' if t == 0 else f'sampled at temperature {t:g}'} ...",
         file=sys.stderr, flush=True)
   r = evaluate(model.config, params, model.tokenizer, env, system.agent_config(c), n=n,
-               num_slots=c.eval.num_slots, greedy=t == 0, temperature=t or 1.0)
+               num_slots=c.eval.num_slots, greedy=t == 0, temperature=t or 1.0,
+               calibration=calibration)
   levels = "".join(f"; {lv}: accuracy {x['accuracy']:.3f}, tool calls "
                    f"{x['tool_calls_per_trajectory']:.2f}"
                    for lv, x in r.get("by_level", {}).items())
   print(f"  {label}: accuracy {r['accuracy']:.3f}, tool calls {r['tool_calls_per_trajectory']:.2f}"
         f", length {r['response_length']:.1f}, truncated {r['truncation_rate']:.3f}{levels} "
         f"({r['seconds']:.0f}s)", file=sys.stderr, flush=True)
+  if "calibration" in r:
+    cal = r["calibration"]
+    corr = "n/a" if cal["need_vs_calls"] is None else f"{cal['need_vs_calls']:.2f}"
+    print(f"  {label}, calibration: accuracy without the tool {cal['accuracy_no_tool']:.3f}; "
+          f"tool calls against need (1 - accuracy without it), correlation over levels {corr}; "
+          f"mean regret against the best fixed policy per level {cal['mean_regret']:.3f}",
+          file=sys.stderr, flush=True)
   return r
 
 
@@ -69,9 +77,10 @@ class Evals:
   def run(self, stage, version, params, label, n=0):
     n = n or self.c.eval.n
     row = self.get(stage, version, n)
-    if row is None:
+    if row is None:  # the full evaluations calibrate too, if the config asks
       row = {"stage": stage, "version": version,
-             **_evaluate(self.c, self.model, params, label, n)}
+             **_evaluate(self.c, self.model, params, label, n,
+                         self.c.eval.calibration and n == self.c.eval.n)}
       self.rows.append(row)
       with open(self.path, "a") as f:
         f.write(json.dumps(row) + "\n")
@@ -87,17 +96,29 @@ def _table(stages: dict) -> dict:
     row = {"all": {"accuracy": r["accuracy"], "tool_calls": r["tool_calls_per_trajectory"]}}
     for lv, x in r.get("by_level", {}).items():
       row[lv] = {"accuracy": x["accuracy"], "tool_calls": x["tool_calls_per_trajectory"]}
+      if "accuracy_no_tool" in x:
+        row[lv]["accuracy_no_tool"] = x["accuracy_no_tool"]
     out[name] = row
   return out
 
 
 def _print_table(table: dict, n: int, decoding: str) -> None:
-  """The before/after table on stderr: accuracy and tool calls per difficulty and stage."""
+  """The before/after table on stderr: accuracy (and, calibrated, accuracy without the tool
+  in brackets) and tool calls per difficulty and stage."""
   cols = [k for k in next(iter(table.values()))]
-  head = "".join(f"{c + ' acc':>12}{c + ' calls':>13}" for c in cols)
-  lines = [f"held-out, {decoding}, n={n}", f"{'':8}{head}"]
+  bare = any("accuracy_no_tool" in x for row in table.values() for x in row.values())
+  w = 18 if bare else 12
+
+  def acc(x):
+    if "accuracy_no_tool" in x:
+      return f"{x['accuracy']:.3f} ({x['accuracy_no_tool']:.2f})"
+    return f"{x['accuracy']:.3f}"
+
+  head = "".join(f"{c + ' acc':>{w}}{c + ' calls':>13}" for c in cols)
+  lines = [f"held-out, {decoding}, n={n}" + ("; (in brackets: accuracy without the tool)"
+                                             if bare else ""), f"{'':8}{head}"]
   for stage, row in table.items():
-    lines.append(f"{stage:8}" + "".join(f"{row[c]['accuracy']:>12.3f}{row[c]['tool_calls']:>13.2f}"
+    lines.append(f"{stage:8}" + "".join(f"{acc(row[c]):>{w}}{row[c]['tool_calls']:>13.2f}"
                                         for c in cols))
   print("\n".join(lines), file=sys.stderr, flush=True)
 

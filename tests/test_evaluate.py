@@ -4,7 +4,7 @@ the engine), and the run plot."""
 import json
 
 from fr_jax import envs
-from fr_jax.evaluate import evaluate
+from fr_jax.evaluate import calibration_table, evaluate
 from fr_jax.models.tokenizer import Tokenizer
 from fr_jax.plots import panel_names, plot_run, slice_curve
 from fr_jax.rollout.agent import AgentConfig
@@ -102,10 +102,77 @@ def test_accuracy_and_tool_calls_per_level_match_hand_count(tmp_path):
                engine=engine, greedy=False, temperature=0.7)
   assert engine.temperatures == {0.7} and r["decoding"] == "temperature 0.7"
   assert r["by_level"] == {
-      "easy": {"n": 4, "accuracy": 1.0, "tool_calls_per_trajectory": 0.0},
-      "hard": {"n": 4, "accuracy": 0.5, "tool_calls_per_trajectory": 1.0}}
+      "easy": {"n": 4, "accuracy": 1.0, "tool_calls_per_trajectory": 0.0, "reward": 1.0},
+      "hard": {"n": 4, "accuracy": 0.5, "tool_calls_per_trajectory": 1.0,
+               "reward": (2 - 0.1 * 4) / 4}}
   assert r["accuracy"] == 6 / 8 and r["tool_calls_per_trajectory"] == 4 / 8
   assert abs(r["reward"] - (6 - 0.1 * 4) / 8) < 1e-12  # accuracy minus the tool's price
+
+
+class BinEngine:
+  """On tool_arithmetic's difficulty bins (item k of level CONTINUUM[k % 5], two per level
+  in 10): a scripted agent (a test double of the engine). Offered the tool, it answers easy
+  and add1c items directly (add1c right only for k < 5), calls the tool on add2 and mul21 and
+  then answers right, and on hard items calls for k < 5 (then right) and answers directly,
+  wrong, for k >= 5. Without the tool it knows easy items and add1c for k < 5; on hard items
+  it still writes a call."""
+
+  version = 0
+
+  def __init__(self, tok, env, n):
+    self.tok = tok
+    self.tasks = {env.task("test", k).prompt: (k, env.task("test", k)) for k in range(n)}
+
+  def generate(self, requests, should_abort=None):
+    out = []
+    for r in requests:
+      text = self.tok.decode(r.prompt_ids)
+      k, t = next(v for p, v in self.tasks.items() if p in text)
+      lv, offered, a, b = t.meta["level"], "Python tool" in text, t.meta["a"], t.meta["b"]
+      call = ('<tool_call>\n{"name": "python", "arguments": {"code": "print('
+              f'{a} {t.meta["op"]} {b}'
+              ')"}}\n</tool_call>')
+      calls = offered and (lv in ("add2", "mul21") or (lv == "hard" and k < 5))
+      if "<tool_response>" in text:
+        reply = str(t.answer)
+      elif calls or (lv == "hard" and not offered):
+        reply = call
+      elif lv == "easy" or (lv == "add1c" and k < 5):
+        reply = str(t.answer)
+      else:
+        reply = str(t.answer + 1)
+      ids = self.tok.encode(reply) + [self.tok.token_id("<|im_end|>")]
+      out.append(Completion(r.request_id, ids, [-0.5] * len(ids), "stop", [0] * len(ids)))
+    return out
+
+
+def test_calibration_per_level_matches_hand_count():
+  """The no-tool pass and the calibration figures (fr_jax/evaluate.py's docstring) of the
+  scripted agent above, counted by hand; the correlation from its definition: need
+  (0, .5, 1, 1, 1) against calls (0, 0, 1, 1, .5) is .75 / sqrt(.8 x 1.0)."""
+  from fr_jax.envs.arithmetic import CONTINUUM
+  tok = Tokenizer.byte_level()
+  env = envs.make("tool_arithmetic", tool_cost=0.1, levels=CONTINUUM)
+  assert [env.task("test", k).meta["level"] for k in range(10)] == list(CONTINUUM) * 2
+  r = evaluate(None, None, tok, env, AgentConfig(max_turns=3, max_total_tokens=4096), n=10,
+               engine=BinEngine(tok, env, 10), calibration=True)
+  got = {lv: {k: (round(v, 12) if isinstance(v, float) else v) for k, v in row.items()}
+         for lv, row in r["by_level"].items()}
+  row = lambda acc, calls, reward, bare, attempts, always, regret: dict(  # noqa: E731
+      n=2, accuracy=acc, tool_calls_per_trajectory=calls, reward=reward,
+      accuracy_no_tool=bare, tool_attempts_no_tool=attempts, reward_never=bare,
+      reward_always=always, regret=regret)
+  assert got == {"easy": row(1.0, 0.0, 1.0, 1.0, 0.0, None, 0.0),
+                 "add1c": row(0.5, 0.0, 0.5, 0.5, 0.0, None, 0.0),
+                 "add2": row(1.0, 1.0, 0.9, 0.0, 0.0, 0.9, 0.0),
+                 "mul21": row(1.0, 1.0, 0.9, 0.0, 0.0, 0.9, 0.0),
+                 "hard": row(0.5, 0.5, 0.45, 0.0, 1.0, 0.9, 0.45)}
+  cal = r["calibration"]
+  assert abs(cal["need_vs_calls"] - 0.75 / 0.8 ** 0.5) < 1e-12
+  assert abs(cal["mean_regret"] - 0.09) < 1e-12 and cal["accuracy_no_tool"] == 0.3
+  lines = calibration_table(r).splitlines()
+  assert lines[5].split() == ["hard", "2", "0.000", "0.500", "0.50", "0.450", "0.900", "0.450"]
+  assert lines[-1].endswith("correlation over levels: 0.839; mean regret 0.090")
 
 
 def test_plot_run_with_levels_and_stages(tmp_path):

@@ -4,6 +4,7 @@ loss is the mean negative log-likelihood of the assistant tokens (against a NumP
 log-softmax over each conversation scored alone), an interrupted warm start resumes to the
 same parameters as an uninterrupted one, and the priced tool's reward by hand."""
 
+import dataclasses
 import json
 import math
 import threading
@@ -172,6 +173,32 @@ def test_tool_arithmetic_levels_and_splits():
       assert 1 <= a <= 9 and 1 <= b <= 9 and t.answer == a + b <= 9
     else:
       assert 100 <= a <= 999 and 10 <= b <= 99 and t.answer == a * b
+
+
+def test_tool_arithmetic_difficulty_bins():
+  """`levels` (issue 60): the test split takes the bins in turn, each item's operands are
+  its bin's (hand-stated ranges), train and test stay disjoint, train draws every bin about
+  equally, the tool-less variant's system turn offers no tool, and unknown bins are refused."""
+  from fr_jax.envs.arithmetic import CONTINUUM
+  env = envs.make("tool_arithmetic", levels=CONTINUUM)
+  test = [env.task("test", i) for i in range(env.test_size)]
+  assert [t.meta["level"] for t in test] == list(CONTINUUM) * 20
+  train = [env.task("train", i) for i in range(2000)]
+  assert not {t.task_id for t in train} & {t.task_id for t in test}
+  counts = {lv: sum(t.meta["level"] == lv for t in train) for lv in CONTINUUM}
+  assert all(340 <= c <= 460 for c in counts.values()), counts
+  for t in test + train:
+    a, b, lv = t.meta["a"], t.meta["b"], t.meta["level"]
+    ok = {"easy": 1 <= a <= 9 and 1 <= b <= 9 and t.answer == a + b <= 9,
+          "add1c": 1 <= a <= 9 and 1 <= b <= 9 and t.answer == a + b >= 10,
+          "add2": 10 <= a <= 99 and 10 <= b <= 99 and t.answer == a + b,
+          "mul21": 10 <= a <= 99 and 2 <= b <= 9 and t.answer == a * b,
+          "hard": 100 <= a <= 999 and 10 <= b <= 99 and t.answer == a * b}[lv]
+    assert ok, t
+  assert "tool" in env.system_prompt
+  assert dataclasses.replace(env, tools=()).system_prompt == "Answer with just the number."
+  with pytest.raises(ValueError, match="levels"):
+    envs.make("tool_arithmetic", levels=("easy", "add3"))
 
 
 # --- the learner's SFT loss and the warm start -------------------------------------------------

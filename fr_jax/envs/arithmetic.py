@@ -120,6 +120,17 @@ _HARD_TEXT = ["What is {a} x {b}?", "What is {a} times {b}?", "Compute {a} * {b}
               "Multiply {a} by {b}.", "{name} buys {a} boxes of {b} pens. How many pens?",
               "A hall has {a} rows of {b} seats. How many seats?"]
 LEVELS = ("easy", "hard")
+# Difficulty bins for `ToolArithmetic(levels=...)` (issue 60): name -> (operator, what it
+# asks); `ToolArithmetic._operands` draws them. "easy" and "hard" are the original two, the
+# others fill the continuum between them.
+BINS = {
+    "easy": ("+", "1 + 1 digits, the sum below 10 (no carry)"),
+    "add1c": ("+", "1 + 1 digits, the sum 10 or more (a carry)"),
+    "add2": ("+", "2 + 2 digits"),
+    "mul21": ("*", "2 digits x 1 digit (2-9)"),
+    "hard": ("*", "3 digits x 2 digits"),
+}
+CONTINUUM = ("easy", "add1c", "add2", "mul21", "hard")
 
 
 @dataclasses.dataclass
@@ -137,9 +148,17 @@ class ToolArithmetic(SingleAnswerEnv):
   words. (Sums up to 18 were tried first: SmolLM2-135M answered 37 of the 81 right, greedy,
   so for it the tool beat a direct answer on easy items too.) `task.meta`
   holds the item's `level`, which evaluations group by. `demonstration()` writes the SFT
-  warm start's conversations (`launch.sft`)."""
+  warm start's conversations (`launch.sft`).
+
+  `levels` (issue 60) draws from difficulty bins instead, each as likely (`BINS`; e.g.
+  `CONTINUUM`: sums without and with a carry, 2 + 2 digits, 2 x 1 digits, 3 x 2 digits), so
+  that the right choice depends on the model's own skill, not on two surface forms; the test
+  split holds the bins in turn. Empty (the default): the two levels by `hard_fraction`, as
+  before. With `tools=()` the system turn offers no tool (`launch.evaluate --calibration`:
+  accuracy without it)."""
 
   hard_fraction: float = 0.5
+  levels: tuple = ()
   tool_cost: float = 0.1
   seed: int = 0
   train_size: int = 100_000
@@ -152,39 +171,63 @@ class ToolArithmetic(SingleAnswerEnv):
     if not 0 <= self.hard_fraction <= 1 or not 0 <= self.tool_cost < 1:
       raise ValueError(f"hard_fraction={self.hard_fraction} must be in [0, 1] and "
                        f"tool_cost={self.tool_cost} in [0, 1)")
+    self.levels = tuple(self.levels)
+    bad = [lv for lv in self.levels if lv not in BINS]
+    if bad or len(set(self.levels)) != len(self.levels):
+      raise ValueError(f"levels={self.levels}: distinct names from {list(BINS)}")
     self._test: list[Task] = []
 
   @property
   def system_prompt(self) -> str:
+    if not self.tools:
+      return "Answer with just the number."
     return TOOL_COST_SYSTEM.replace("{cost}", f"{self.tool_cost:g}")
 
-  def _draw(self, rng, hard: bool | None = None) -> Task:
-    if hard is None:
-      hard = bool(rng.random() < self.hard_fraction)
-    if hard:
-      a, b, op, texts = int(rng.integers(100, 1000)), int(rng.integers(10, 100)), "*", _HARD_TEXT
-    else:
+  @staticmethod
+  def _operands(rng, level: str) -> tuple[int, int]:
+    """A level's operands (`BINS`); "easy" and "hard" drawn as they always were."""
+    if level == "easy":  # a in 1-8, then b keeping the sum below 10
       a = int(rng.integers(1, 9))
-      a, b, op, texts = a, int(rng.integers(1, 10 - a)), "+", _EASY_TEXT
+      return a, int(rng.integers(1, 10 - a))
+    if level == "hard":
+      return int(rng.integers(100, 1000)), int(rng.integers(10, 100))
+    if level == "add1c":  # a in 1-9, then b in 10-a .. 9
+      a = int(rng.integers(1, 10))
+      return a, int(rng.integers(10 - a, 10))
+    if level == "add2":
+      return int(rng.integers(10, 100)), int(rng.integers(10, 100))
+    return int(rng.integers(10, 100)), int(rng.integers(2, 10))  # mul21
+
+  def _draw(self, rng, hard: bool | None = None, level: str | None = None) -> Task:
+    if level is None and self.levels:
+      level = self.levels[int(rng.integers(len(self.levels)))]
+    if level is None:
+      if hard is None:
+        hard = bool(rng.random() < self.hard_fraction)
+      level = LEVELS[int(hard)]
+    op = BINS[level][0]
+    a, b = self._operands(rng, level)
+    texts = _HARD_TEXT if op == "*" else _EASY_TEXT
     k = int(rng.integers(len(texts)))
     name = _NAMES[int(rng.integers(len(_NAMES)))] if "{name}" in texts[k] else ""
-    level = LEVELS[int(hard)]
     key = f"{self.name}:{level}:{a}{op}{b}:{k}:{name}"
     return Task(self.name, key, texts[k].format(a=a, b=b, name=name), _OPS[op](a, b),
                 {"level": level, "a": a, "b": b, "op": op})
 
   def task(self, split: str, index: int) -> Task:
     """Train tasks as `procedural_task` draws them; the test split holds each level in
-    proportion (item i is hard when floor((i + 1) * hard_fraction) grows at i), distinct
-    items whose keys hash to test, so any prefix of it is balanced too."""
+    proportion (item i is hard when floor((i + 1) * hard_fraction) grows at i; with `levels`,
+    item i is of level i mod their number), distinct items whose keys hash to test, so any
+    prefix of it is balanced too."""
     if split != "test":  # procedural_task checks the split
       return procedural_task(self._draw, self.seed, split, index, self._test, self.test_size)
     if not self._test:
       rng, seen = np.random.default_rng([self.seed, 2]), set()
       for i in range(self.test_size):
         hard = int((i + 1) * self.hard_fraction) > int(i * self.hard_fraction)
+        level = self.levels[i % len(self.levels)] if self.levels else None
         for _ in range(100_000):
-          t = self._draw(rng, hard)
+          t = self._draw(rng, hard, level)
           if split_of(t.task_id) == "test" and t.task_id not in seen:
             break
         else:

@@ -199,6 +199,8 @@ def test_tool_arithmetic_difficulty_bins():
   assert dataclasses.replace(env, tools=()).system_prompt == "Answer with just the number."
   with pytest.raises(ValueError, match="levels"):
     envs.make("tool_arithmetic", levels=("easy", "add3"))
+  assert envs.make("tool_arithmetic", levels="easy, hard").levels == ("easy", "hard")
+  assert envs.make("tool_arithmetic", levels="").levels == ()  # a config flag's default
 
 
 # --- the learner's SFT loss and the warm start -------------------------------------------------

@@ -35,6 +35,9 @@ def get_config():
   # item, right ~87% of the time sampled, barely beat the tool's 0.8); at 0.5 it dropped the
   # tool on hard items too (docs/agent_demo.md: the attempts).
   c.env.kwargs.tool_cost = 0.4
+  # "": the two levels above. Issue 60's difficulty bins, comma-separated:
+  # --config.env.kwargs.levels=easy,add1c,add2,mul21,hard (fr_jax/envs/arithmetic.py, BINS)
+  c.env.kwargs.levels = ""
   c.agent.max_turns = 3
   c.agent.max_new_tokens = 48
   c.agent.max_total_tokens = 256

@@ -150,7 +150,8 @@ class ToolArithmetic(SingleAnswerEnv):
   holds the item's `level`, which evaluations group by. `demonstration()` writes the SFT
   warm start's conversations (`launch.sft`).
 
-  `levels` (issue 60) draws from difficulty bins instead, each as likely (`BINS`; e.g.
+  `levels` (issue 60; names, or one comma-separated string) draws from difficulty bins
+  instead, each as likely (`BINS`; e.g.
   `CONTINUUM`: sums without and with a carry, 2 + 2 digits, 2 x 1 digits, 3 x 2 digits), so
   that the right choice depends on the model's own skill, not on two surface forms; the test
   split holds the bins in turn. Empty (the default): the two levels by `hard_fraction`, as
@@ -171,6 +172,8 @@ class ToolArithmetic(SingleAnswerEnv):
     if not 0 <= self.hard_fraction <= 1 or not 0 <= self.tool_cost < 1:
       raise ValueError(f"hard_fraction={self.hard_fraction} must be in [0, 1] and "
                        f"tool_cost={self.tool_cost} in [0, 1)")
+    if isinstance(self.levels, str):  # "easy,add1c,..." (a config flag)
+      self.levels = tuple(x.strip() for x in self.levels.split(",") if x.strip())
     self.levels = tuple(self.levels)
     bad = [lv for lv in self.levels if lv not in BINS]
     if bad or len(set(self.levels)) != len(self.levels):

@@ -31,7 +31,8 @@ ROUTE = re.compile(r"^/[a-z_]+$")
 NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 # Lower-case identifier-like strings in the client that are not SGLang's API.
 NOT_API = {"replace",  # bytes.decode(errors="replace") on an error body
-           "hf"}  # the engines' weight_format (an HF directory)
+           "hf",  # the engines' weight_format (an HF directory)
+           "error"}  # HTTPClient.events: a streamed answer's error event (vLLM's stream)
 
 
 def code_strings(path):

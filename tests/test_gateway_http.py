@@ -278,3 +278,36 @@ def test_concurrent_rewards_each_get_their_own_records(tiny_model):
     assert sorted(int(r.rsplit("/", 1)[1]) for r in ids) == list(range(n))
   finally:
     gw.close()
+
+
+def test_https_with_the_given_certificate(tiny_model, tmp_path):
+  """--tls_cert/--tls_key: the gateway serves HTTPS with that certificate (a client that
+  trusts its CA gets answers, one that trusts nothing is refused at the handshake), and a
+  missing certificate file raises when the server is made, not later in its thread."""
+  import ssl
+
+  from tests import tls_certs
+  certs = tls_certs.make(tmp_path / "tls")
+  gw = Gateway(EmbeddedEngine(tiny_model.config, tiny_model.params, num_slots=2, max_len=64),
+               tiny_model.tokenizer, Recorder(), GatewayConfig(max_new_tokens=2),
+               follow_weights=False)
+  server = GatewayServer(("127.0.0.1", 0), gw, KEY, tls_cert=certs["server_cert"],
+                         tls_key=certs["server_key"])
+  server.serve_in_thread()
+  url = f"https://127.0.0.1:{server.port}"
+  try:
+    trusting = ssl.create_default_context(cafile=certs["ca"])
+    with urllib.request.urlopen(url + "/health", context=trusting, timeout=30) as r:
+      assert json.loads(r.read()) == {"status": "ok"}
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(
+        {"prompt": [65, 66], "seed": 1}).encode(), {"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(req, context=trusting, timeout=60) as r:
+      assert len(json.loads(r.read())["choices"][0]["token_ids"]) <= 2
+    with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+      urllib.request.urlopen(url + "/health", context=ssl.create_default_context(), timeout=30)
+  finally:
+    server.shutdown()
+    gw.close()
+  with pytest.raises(FileNotFoundError):
+    GatewayServer(("127.0.0.1", 0), gw, KEY, tls_cert=str(tmp_path / "none.pem"),
+                  tls_key=str(tmp_path / "none.key"))

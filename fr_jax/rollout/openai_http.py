@@ -88,10 +88,6 @@ class GatewayServer:
     self.max_connections = max_connections
     self.running = 0  # requests in progress (on the event loop's thread only)
     self.limiter: anyio.CapacityLimiter | None = None  # made on the loop
-    host = address[0]
-    self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    self.sock.bind(address)
     app = Starlette(routes=[
         Route("/health", self._health, methods=["GET"]),
         Route("/v1/models", self._guarded(self._models), methods=["GET"]),
@@ -105,6 +101,11 @@ class GatewayServer:
         app, http="h11", loop="asyncio", lifespan="off", log_config=None, access_log=False,
         timeout_keep_alive=max(1, int(timeout_s)), timeout_graceful_shutdown=int(grace_s),
         ssl_certfile=tls_cert or None, ssl_keyfile=tls_key or None))
+    self.server.config.load()  # here, so that a bad certificate raises to the caller
+    host = address[0]
+    self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    self.sock.bind(address)
     self.thread: threading.Thread | None = None
 
   @property

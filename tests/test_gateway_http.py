@@ -43,10 +43,13 @@ class _Paced(EmbeddedEngine):
     self.sampled_at.append(time.perf_counter())
     super()._append(s, tok, lp)
 
-  def generate(self, requests, should_abort=None):
-    out = super().generate(requests, should_abort)
-    self.completions += out
-    return out
+  def generate(self, requests, should_abort=None, more=None, done=None):
+    def noted(c):
+      self.completions.append(c)
+      if done is not None:
+        done(c)
+
+    return super().generate(requests, should_abort, more, noted)
 
 
 def _gateway(m, pace_s=0.0):
@@ -311,3 +314,39 @@ def test_https_with_the_given_certificate(tiny_model, tmp_path):
   with pytest.raises(FileNotFoundError):
     GatewayServer(("127.0.0.1", 0), gw, KEY, tls_cert=str(tmp_path / "none.pem"),
                   tls_key=str(tmp_path / "none.key"))
+
+
+def test_a_call_joins_the_running_batch(tiny_model):
+  """The gateway's engine thread (`Batcher`) on the embedded engine: a call that arrives
+  while a long one decodes joins it at the next step and gets its completion when it ends,
+  long before the long one does (before, it waited for the whole batch); a weight swap
+  asked meanwhile runs between two decode steps, and the long request's tokens after it
+  carry the new version. The short call's tokens are those it samples alone."""
+  from fr_jax.rollout.batcher import Batcher
+  from fr_jax.rollout.engine import Request
+  engine = _Paced(tiny_model.config, tiny_model.params, num_slots=2, max_len=256, pace_s=0.02)
+  b = Batcher(engine, max_batch=8)
+  long_req = Request("long", [65, 66], max_new_tokens=120, temperature=1.0, seed=1)
+  got, at = {}, {}
+
+  def call(r):
+    got[r.request_id] = b.generate(r)
+    at[r.request_id] = time.perf_counter()
+
+  try:
+    t = threading.Thread(target=call, args=(long_req,))
+    t.start()
+    while len(engine.sampled_at) < 5:
+      time.sleep(0.005)
+    short = Request("short", [67, 68, 69], max_new_tokens=3, temperature=1.0, seed=2)
+    call(short)
+    b.call(lambda: engine.update_weights(tiny_model.params, 7))
+    t.join(60)
+  finally:
+    b.close()
+  assert got["long"].finish_reason == "length" and at["short"] < at["long"] - 1.0
+  v = got["long"].versions
+  assert v[0] == 0 and v[-1] == 7 and v == sorted(v)  # swapped between two steps
+  (alone,) = EmbeddedEngine(tiny_model.config, tiny_model.params, num_slots=2,
+                            max_len=256).generate([short])
+  assert got["short"].token_ids == alone.token_ids

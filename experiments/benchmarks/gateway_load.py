@@ -16,10 +16,10 @@ model, every call its own streamed request to it).
 `direct` gives the engine exactly the requests the gateway gave it (their token ids, seeds and
 limits, recorded on the way), in two waves of one `generate` each (every agent's first turn,
 then every second turn), the best batching the engine can have. Its times come from the
-engine's per-token callback: time to first token and latency from the wave's start. The
-embedded engine's tokens must come out equal to the gateway's (each request's sampling does
-not depend on its batch), which the benchmark checks; for vLLM it counts the requests whose
-tokens differ (`tokens_differ`).
+engine's per-token callback: time to first token and latency from the wave's start.
+`tokens_differ` counts the requests whose tokens differ from the gateway's: a request's
+sampling does not depend on its batch, but its logits may by a rounding (another attention
+window, a reused prefix), which can flip a near-tie.
 
 JSON lines: one per path and agent count (requests/s, completion tokens/s, time to first
 token and latency p50/p99, peak RSS of this process over the phase, and for the gateway the
@@ -159,10 +159,20 @@ def _gateway_run(m, engine, n: int) -> tuple[dict, list]:
   seen = []  # the requests the gateway gave the engine
   generate = engine.generate
 
-  def recording(reqs, should_abort=None):
-    out = generate(reqs, should_abort)
-    seen.extend(zip(reqs, out))
-    return out
+  def recording(reqs, should_abort=None, more=None, done=None):
+    asked = list(reqs)
+
+    def pulled():
+      got = list(more()) if more is not None else []
+      asked.extend(got)
+      return got
+
+    def noted(c):
+      seen.append((next(r for r in asked if r.request_id == c.request_id), c))
+      if done is not None:
+        done(c)
+
+    return generate(reqs, should_abort, pulled, noted)
 
   engine.generate = recording
   sink = _Sink()
@@ -228,10 +238,7 @@ def _direct_run(engine, seen: list) -> dict:
 
       reqs = [dataclasses.replace(r, on_token=note(r.request_id)) for r in wave]
       for r, c in zip(reqs, engine.generate(reqs)):
-        if c.token_ids != want[r.request_id]:
-          if engine.weight_format == "arrays":
-            raise AssertionError(f"{r.request_id}: the direct tokens differ from the gateway's")
-          differ += 1
+        differ += c.token_ids != want[r.request_id]
         ttft.append(times[r.request_id][0])
         latency.append(times[r.request_id][-1])
         tokens += len(c.token_ids)

@@ -1,10 +1,12 @@
 """The engine's own thread, for an engine that takes one caller at a time (the embedded one).
 
 Callers from many threads (the gateway's HTTP calls) hand their requests to a `Batcher`; its
-thread runs them on the engine in batches: every request waiting when a batch starts joins it
-(up to `max_batch`), and the engine's continuous batching interleaves them. Weight swaps and
-other engine work (`call`) run on the same thread, between batches, so they never race a
-decode step. `close` lets the batch in progress finish and joins the thread, so that no engine
+thread runs them on the engine: every request waiting when a batch starts joins it (up to
+`max_batch`), and with an engine that admits requests while it runs (the embedded one:
+`generate(more=, done=)`) every request that arrives later joins the running batch at the
+next decode step, and each caller gets its completion as soon as it ends. Weight swaps and
+other engine work (`call`) run on the same thread, between decode steps, so they never race
+one. `close` lets the batch in progress finish and joins the thread, so that no engine
 work is left running when the process ends.
 """
 
@@ -28,6 +30,10 @@ class Batcher:
     self.engine, self.max_batch = engine, max(1, max_batch)
     self.closed = False
     self._lock = threading.Lock()  # no request queued behind close's end marker
+    # an engine whose generate() takes requests while it runs (the embedded one's `more`)
+    self.continuous = bool(getattr(engine, "admits_while_running", False))
+    self._futs: dict[str, concurrent.futures.Future] = {}  # request id -> its caller
+    self._stopping = False  # close's end marker was seen while a batch ran
     self.q: queue.Queue = queue.Queue()
     self.thread = threading.Thread(target=self._run, daemon=True, name="gateway-engine")
     self.thread.start()
@@ -63,25 +69,56 @@ class Batcher:
           self.q.put(None)
           break
         items.append(nxt)
-      reqs = []
-      for what, fut in items:
-        if callable(what):
-          try:
-            fut.set_result(what())
-          except BaseException as e:  # noqa: BLE001 (handed to the caller)
-            fut.set_exception(e)
-        else:
-          reqs.append((what, fut))
+      reqs = self._admit(items)
       if not reqs:
         continue
+      err = None
       try:
-        outs = self.engine.generate([r for r, _ in reqs])
+        if self.continuous:  # later arrivals join the running batch (`_more`, `_done`)
+          self.engine.generate(reqs, more=self._more, done=self._done)
+        else:
+          for c in self.engine.generate(reqs):
+            self._done(c)
       except BaseException as e:  # noqa: BLE001 (handed to every caller of the batch)
-        for _, fut in reqs:
+        err = e
+      for rid, fut in self._futs.items():  # left: the engine failed, or lost the request
+        fut.set_exception(err or RuntimeError(f"the engine returned no completion for {rid}"))
+      self._futs.clear()
+      if self._stopping:
+        self.q.put(None)
+
+  def _admit(self, items) -> list[Request]:
+    """Runs the callables among `items` now; registers the requests and returns them."""
+    reqs = []
+    for what, fut in items:
+      if callable(what):
+        try:
+          fut.set_result(what())
+        except BaseException as e:  # noqa: BLE001 (handed to the caller)
           fut.set_exception(e)
-        continue
-      for (_, fut), c in zip(reqs, outs):
-        fut.set_result(c)
+      else:
+        self._futs[what.request_id] = fut
+        reqs.append(what)
+    return reqs
+
+  def _more(self) -> list[Request]:
+    """Between decode steps: what has arrived since (weight swaps run here and now)."""
+    items = []
+    while not self._stopping:
+      try:
+        nxt = self.q.get_nowait()
+      except queue.Empty:
+        break
+      if nxt is None:
+        self._stopping = True
+        break
+      items.append(nxt)
+    return self._admit(items)
+
+  def _done(self, c: Completion) -> None:
+    fut = self._futs.pop(c.request_id, None)
+    if fut is not None:
+      fut.set_result(c)
 
   def _refuse_waiting(self):
     while True:

@@ -143,6 +143,7 @@ class EmbeddedEngine:
   """Continuous-batching sampler for one model on this process's devices."""
   weight_format = "arrays"  # update_weights takes the parameters themselves
   errors = ()  # nothing to ride out: a failure here is a bug
+  admits_while_running = True  # generate(more=, done=): the gateway's engine thread
 
   def __init__(self, cfg: ModelConfig, params, *, tokenizer=None, num_slots: int = 8,
                max_len: int = 1024, version: int = 0, min_bucket: int = 16,
@@ -301,9 +302,14 @@ class EmbeddedEngine:
     return c
 
   def generate(self, requests: Sequence[Request],
-               should_abort: Callable[[], bool] | None = None) -> list[Completion]:
+               should_abort: Callable[[], bool] | None = None,
+               more: Callable[[], Sequence[Request]] | None = None,
+               done: Callable[[Completion], None] | None = None) -> list[Completion]:
     """Runs every request to completion (or abort), in continuous batches of num_slots.
-    Returns completions in request order."""
+    Returns completions in request order. A server loop (the gateway's engine thread) passes
+    `more`, called before every decode step for requests that have arrived since (they join
+    the running batch), and `done`, which gets each completion as soon as it ends; the call
+    returns once nothing is waiting or running."""
     for r in requests:
       r.check(self.cfg.vocab_size)
     if len({r.request_id for r in requests}) != len(requests):
@@ -311,9 +317,17 @@ class EmbeddedEngine:
     waiting = collections.deque(requests)
     slots: list[_Slot | None] = [None] * self.num_slots
     out: dict[str, Completion] = {}
+    if done is not None:
+      out = _Delivering(done)
     t0 = time.perf_counter()
     S = self.num_slots
-    while waiting or any(slots):
+    while True:
+      if more is not None:
+        for r in more():
+          r.check(self.cfg.vocab_size)
+          waiting.append(r)
+      if not (waiting or any(slots)):
+        break
       if should_abort is not None and should_abort():
         for i, s in enumerate(slots):
           if s is not None:
@@ -358,3 +372,15 @@ class EmbeddedEngine:
           out[s.req.request_id] = self._done(i, s, reason)
           slots[i] = None
     return [out[r.request_id] for r in requests]
+
+
+class _Delivering(dict):
+  """generate()'s completions, each also handed to `done` as it is stored."""
+
+  def __init__(self, done: Callable[[Completion], None]):
+    super().__init__()
+    self.done = done
+
+  def __setitem__(self, key, c):
+    super().__setitem__(key, c)
+    self.done(c)

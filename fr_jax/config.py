@@ -136,7 +136,7 @@ def default_config() -> ml_collections.ConfigDict:
       max_segments=16,  # segments per episode
       max_connections=64,  # requests served at once; more get 503
       max_body_bytes=4 << 20,  # a larger request body is refused (413)
-      max_batch=0,  # embedded engine: calls batched together (0: rollout.num_slots)
+      max_batch=0,  # embedded engine: calls a batch starts with (0: rollout.num_slots)
   ))
   return c
 

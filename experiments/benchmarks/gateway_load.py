@@ -172,7 +172,11 @@ def _gateway_run(m, engine, n: int) -> tuple[dict, list]:
       if done is not None:
         done(c)
 
-    return generate(reqs, should_abort, pulled, noted)
+    if more is None and done is None:  # a server engine: one call per request
+      out = generate(reqs, should_abort)
+      seen.extend(zip(reqs, out))
+      return out
+    return generate(reqs, should_abort, more=pulled, done=noted)
 
   engine.generate = recording
   sink = _Sink()

@@ -22,9 +22,10 @@ sampling does not depend on its batch, but its logits may by a rounding (another
 window, a reused prefix), which can flip a near-tie.
 
 JSON lines: one per path and agent count (requests/s, completion tokens/s, time to first
-token and latency p50/p99, peak RSS of this process over the phase, and for the gateway the
-records the learner side received beside the episodes rewarded), then the ratio of the
-gateway's wall time to the direct one's.
+token and latency p50/p99, peak RSS of this process over the phase, CPU seconds of this
+process and, for the gateway, of the agents' process, and the records the learner side
+received beside the episodes rewarded), then the ratio of the gateway's wall time to the
+direct one's.
 """
 
 from __future__ import annotations
@@ -145,6 +146,25 @@ class _Peak:
     self.peak = max(self.peak, self._rss())
 
 
+class _Cpu:
+  """CPU seconds (user + system) of this process and of its finished children over a
+  phase: on a machine whose cores the agents share, what they took from the engine."""
+
+  @staticmethod
+  def _now():
+    import resource
+    s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return s.ru_utime + s.ru_stime, c.ru_utime + c.ru_stime
+
+  def __enter__(self):
+    self.t0 = self._now()
+    return self
+
+  def __exit__(self, *exc):
+    (s1, c1), (s0, c0) = self._now(), self.t0
+    self.self_s, self.children_s = round(s1 - s0, 1), round(c1 - c0, 1)
+
+
 def _stats(ttft, latency, wall, requests, tokens) -> dict:
   q = lambda x, p: round(float(np.percentile(x, p)), 4)  # noqa: E731
   return {"requests": requests, "wall_s": round(wall, 3),
@@ -190,7 +210,7 @@ def _gateway_run(m, engine, n: int) -> tuple[dict, list]:
     server = GatewayServer(("127.0.0.1", 0), gw, KEY, max_connections=2 * n)
     server.serve_in_thread()
     try:
-      with _Peak() as peak:
+      with _Peak() as peak, _Cpu() as cpu:
         p = subprocess.run([sys.executable, "-m", "experiments.benchmarks.gateway_load",
                             f"--client_of={server.port}", f"--agents={n}",
                             f"--max_tokens={F.max_tokens}"],
@@ -210,7 +230,8 @@ def _gateway_run(m, engine, n: int) -> tuple[dict, list]:
   tokens = sum(len(c.token_ids) for _, c in seen)
   row = _stats([c["ttft"] for c in calls], [c["latency"] for c in calls], got["wall_s"],
                len(calls), tokens)
-  row.update(peak_rss_mb=round(peak.peak / 2**20),
+  row.update(cpu_s_this_process=cpu.self_s, cpu_s_agents=cpu.children_s,
+             peak_rss_mb=round(peak.peak / 2**20),
              episodes_rewarded=counters["episodes_rewarded"], records_made=counters["records"],
              records_received=sink.records, segments_by_reason=counters["segments_by_reason"])
   return row, seen
@@ -229,7 +250,7 @@ def _direct_run(engine, seen: list) -> dict:
     episodes.add(ep)
   want = {r.request_id: c.token_ids for r, c in seen}
   ttft, latency, tokens, differ = [], [], 0, 0
-  with _Peak() as peak:
+  with _Peak() as peak, _Cpu() as cpu:
     t_start = time.perf_counter()
     for wave in (first, second):
       t0 = time.perf_counter()
@@ -248,7 +269,8 @@ def _direct_run(engine, seen: list) -> dict:
         tokens += len(c.token_ids)
     wall = time.perf_counter() - t_start
   row = _stats(ttft, latency, wall, len(seen), tokens)
-  row.update(peak_rss_mb=round(peak.peak / 2**20), tokens_differ=differ)
+  row.update(cpu_s_this_process=cpu.self_s, peak_rss_mb=round(peak.peak / 2**20),
+             tokens_differ=differ)
   return row
 
 

@@ -118,6 +118,10 @@ USES: tuple[Use, ...] = (
   Use("meta_info", "/generate", "output_token_logprobs"),
   Use("meta_info", "/generate", "finish_reason"),
   Use("meta_info", "/generate", "weight_version"),
+  # Streaming (SGLangEngine._streamed, for a request with on_token: the gateway's): the
+  # stream flag, and the count of tokens so far that tells new entries from repeated ones.
+  Use("request", "/generate", "stream"),
+  Use("meta_info", "/generate", "completion_tokens"),
   Use("finish_reason", "/generate", "type"),
   Use("finish_type", "/generate", "stop"),
   Use("finish_type", "/generate", "length"),

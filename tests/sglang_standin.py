@@ -12,6 +12,10 @@ field of SGLang's request type at its default; those are accepted at exactly tho
 weight load (`loads`: version, path, time), so tests can see how a router spread requests and
 when each server switched weights.
 
+Streaming: a /generate with `"stream": true` answers with server-sent events as SGLang
+0.5.23 writes them by default: the answer so far after each sampled token (finish_reason
+null), the whole answer last, then `data: [DONE]`.
+
 Routing replay (R3): with `enable_return_routed_experts=True` (SGLang's
 `--enable-return-routed-experts`; off by default, as there) a /generate with
 `return_routed_experts` answers with `meta_info.routed_experts` in SGLang 0.5.23's format:
@@ -54,7 +58,7 @@ GENERATE_KEYS = {"input_ids", "sampling_params", "return_logprob", "logprob_star
 SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "skip_special_tokens",
                  "no_stop_trim", "sampling_seed", "stop_token_ids", "stop"}
 # Fields of SGLang's GenerateReqInput that sglang-router 0.3.2 always sends, at these values.
-ROUTER_DEFAULTS = {"model": None, "return_text_in_logprobs": False, "stream": False,
+ROUTER_DEFAULTS = {"model": None, "return_text_in_logprobs": False,
                    "log_metrics": True, "return_hidden_states": False, "background": False,
                    "no_logs": False, "return_bytes": False, "return_entropy": False}
 
@@ -153,7 +157,10 @@ class StandInSGLang:
     return self.abort_running
 
   # --- endpoints ---
-  def generate(self, body: dict) -> dict:
+  def generate(self, body: dict, stream=None) -> dict:
+    """One /generate answer; with `stream` (a function taking each token's answer so far),
+    SGLang 0.5.23's default (cumulative) stream: after each sampled token the answer as it
+    stands, output_token_logprobs and completion_tokens included, finish_reason null."""
     for k, v in ROUTER_DEFAULTS.items():
       if k in body and body.pop(k) != v:
         raise ValueError(f"{k}={v!r} is the only value this stand-in supports")
@@ -171,6 +178,17 @@ class StandInSGLang:
                   stop_token_ids=tuple(sp.get("stop_token_ids", ())),
                   stop_strings=tuple(sp.get("stop", ())))
     req.check(self.model_config.vocab_size)
+    if stream is not None:
+      so_far = []
+
+      def on_token(t, lp):
+        so_far.append([lp, t, None])
+        stream({"text": None, "output_ids": [e[1] for e in so_far], "meta_info": {
+            "id": req.request_id, "finish_reason": None, "prompt_tokens": len(req.prompt_ids),
+            "completion_tokens": len(so_far), "output_token_logprobs": list(so_far),
+            "weight_version": str(self.engine.version)}})
+
+      req.on_token = on_token
     routed_start = None
     if body.get("return_routed_experts"):  # SGLang checks the start, flag or not
       routed_start = int(body.get("routed_experts_start_len", 0))
@@ -310,6 +328,19 @@ class StandInSGLang:
         self.end_headers()
         self.wfile.write(data)
 
+      def _stream(self, body):
+        """Server-sent events, as SGLang writes them: `data: {answer}` per token, the whole
+        answer last, then `data: [DONE]` (HTTP/1.0: the body ends with the connection)."""
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        out = lambda obj: self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")  # noqa: E731
+        try:
+          out(server.generate(body, stream=out))
+        except (ValueError, KeyError, TypeError, RuntimeError) as e:
+          out({"error": {"message": f"{type(e).__name__}: {e}"}})
+        self.wfile.write(b"data: [DONE]\n\n")
+
       def _refused(self) -> bool:
         if server.api_key and self.path != "/health" and (
             self.headers.get("Authorization") != f"Bearer {server.api_key}"):
@@ -338,7 +369,9 @@ class StandInSGLang:
           return self._send(404, {"error": f"no route {self.path}"})
         try:
           body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-          server.log.append((self.path, body))
+          server.log.append((self.path, dict(body)))
+          if self.path == "/generate" and body.pop("stream", False):
+            return self._stream(body)
           self._send(200, fn(body))
         except (ValueError, KeyError, TypeError) as e:
           self._send(400, {"error": f"{type(e).__name__}: {e}"})

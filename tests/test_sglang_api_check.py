@@ -131,6 +131,7 @@ SYNTHETIC = {
       return_logprob: bool = False
       return_routed_experts: bool = False
       routed_experts_start_len: int = 0
+      stream: bool = False
       rid: Optional[str] = field(default=None, kw_only=True)
 
     class BaseReq(msgspec.Struct, kw_only=True):
@@ -162,6 +163,7 @@ SYNTHETIC = {
       def handle(self, recv, i, state):
         meta_info = {"id": recv.rids[i], "finish_reason": recv.finished_reasons[i]}
         meta_info["output_token_logprobs"] = state.output_token_logprobs
+        meta_info["completion_tokens"] = len(state.output_ids)
         if recv.routed_experts[i] is not None:
           meta_info["routed_experts"] = recv.routed_experts[i]
         return {"text": state.text, "meta_info": meta_info}

@@ -342,6 +342,68 @@ def test_aborted_requests_keep_partial_tokens_and_resume(served, tmp_path):
   assert gens[1]["sampling_params"]["max_new_tokens"] == 120 - k
 
 
+def test_a_streamed_request_equals_the_unstreamed_and_stops_when_told(served):
+  """A request with `on_token` is streamed (SGLang 0.5.23's default stream: the answer so far
+  after each token, against the stand-in): the callback hears every token in order, the
+  completion equals the unstreamed one for the same seed, and a callback that returns False
+  has the request aborted (`/abort_request` with its rid): it ends `abort`, short of its limit,
+  and the callback heard no more."""
+  model, server, client = served
+  server.step_delay = 0.01
+  req = lambda rid, **k: Request(rid, [5, 6, 7], 24, temperature=1.0, seed=11, **k)  # noqa: E731
+  (whole,) = client.generate([req("whole")])
+  heard = []
+  (streamed,) = client.generate([req("streamed", on_token=lambda t, lp: heard.append((t, lp)))])
+  assert streamed.token_ids == whole.token_ids and streamed.logprobs == whole.logprobs
+  assert streamed.versions == whole.versions and heard == list(zip(whole.token_ids,
+                                                                   whole.logprobs))
+  assert [b.get("stream") for p, b in server.log if p == "/generate"][-2:] == [None, True]
+  told = []
+  (c,) = client.generate([Request("stop", [5, 6], 200, temperature=1.0, seed=3,
+                                  on_token=lambda t, lp: told.append(t) or len(told) < 3)])
+  assert c.finish_reason == "abort" and 3 <= len(c.token_ids) < 200 and len(told) == 3
+  assert ("/abort_request", {"rid": "stop"}) in server.log
+
+
+def test_an_incremental_stream_is_read_as_such():
+  """SGLang with --incremental-streaming-output sends only the new entries, with the count
+  so far in completion_tokens: the tokens come out once each, in order (a recorded stream)."""
+  from http.server import BaseHTTPRequestHandler
+
+  chunks = [{"meta_info": {"output_token_logprobs": [[-0.5, 28, None]], "completion_tokens": 1,
+                           "finish_reason": None, "weight_version": "7"}},
+            {"meta_info": {"output_token_logprobs": [[-0.25, 29, None], [-0.125, 30, None]],
+                           "completion_tokens": 3, "finish_reason": None,
+                           "weight_version": "7"}},
+            {"meta_info": {"output_token_logprobs": [[-1.0, 2, None]], "completion_tokens": 4,
+                           "finish_reason": {"type": "stop"}, "weight_version": "7"}}]
+
+  class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+      pass
+
+    def do_POST(self):
+      self.rfile.read(int(self.headers["Content-Length"]))
+      self.send_response(200)
+      self.end_headers()
+      for c in chunks:
+        self.wfile.write(b"data: " + json.dumps(c).encode() + b"\n\n")
+      self.wfile.write(b"data: [DONE]\n\n")
+
+  http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+  threading.Thread(target=http.serve_forever, daemon=True).start()
+  client = SGLangEngine(f"http://127.0.0.1:{http.server_address[1]}", retries=0)
+  heard = []
+  try:
+    (c,) = client.generate([req("q", [1, 2], 8, on_token=lambda t, lp: heard.append(t))])
+  finally:
+    client.close()
+    http.shutdown()
+    http.server_close()
+  assert c.token_ids == heard == [28, 29, 30, 2] and c.logprobs == [-0.5, -0.25, -0.125, -1.0]
+  assert c.finish_reason == "stop" and c.versions == [7] * 4
+
+
 def test_stand_in_rejects_unknown_fields_with_http_400(served):
   model, server, client = served
   with pytest.raises(SGLangError, match="HTTP 400") as e:

@@ -43,8 +43,8 @@ class Request:
   routed_experts_start: int | None = None
   # Streaming: called with each token as it is sampled (its id and behaviour log-prob), on
   # the engine's thread, so it must not block. Returning False aborts this request alone: its
-  # completion keeps what was sampled, finish_reason "abort". The vLLM engine streams such a
-  # request from the server; the SGLang engine calls it once the server's answer is in.
+  # completion keeps what was sampled, finish_reason "abort". The vLLM and SGLang engines
+  # stream such a request from their server (SGLang's without routing replay).
   on_token: Callable[[int, float], bool] | None = dataclasses.field(default=None, repr=False,
                                                                     compare=False)
 

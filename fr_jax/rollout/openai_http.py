@@ -12,12 +12,12 @@ Routes (every one but /health needs `Authorization: Bearer KEY`):
 
 Streaming (`"stream": true`): server-sent events in OpenAI's chunk format, the reply's text as
 the engine samples it (the embedded engine hands each token over after its decode step, the
-vLLM client as vLLM's own stream brings it, the SGLang client once the server's answer is
-in). A chat call that offers tools streams
-its reply when it ends, since the text may turn out to be a tool call. The first event is
-sent once the call has a first piece of text (so a call refused before that gets its error as
-a plain JSON response with its status); the last chunk carries `segment`, `policy_version` and
-the finish reason, and `usage` follows if `stream_options.include_usage` asks. An error after
+vLLM and SGLang clients as their servers' own streams bring it). A chat call that offers
+tools streams its reply when it ends, since the text may turn out to be a tool call. The
+first event is sent once the call has a first piece of text (so a call refused before that
+gets its error as a plain JSON response with its status); the last chunk carries `segment`,
+`policy_version` and the finish reason, and `usage` follows if `stream_options.include_usage`
+asks. An error after
 the stream began is sent as an `error` event, without `[DONE]`. A client that disconnects
 mid-stream aborts its request in the engine: the episode drops that turn (it stays as it was
 before the call, as for any failed call), and `calls_cancelled` counts it.

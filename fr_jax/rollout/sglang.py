@@ -23,6 +23,13 @@ status are not. One limit: a resend keeps the `rid` (`/abort_request` finds requ
 and SGLang 0.5.23 refuses a rid it still holds with HTTP 400 ("Duplicate request ID"), which
 fails the call (`HTTP_STATUS`).
 
+Streaming. A request with `on_token` (the gateway's) and no routing replay is sent with
+`"stream": true`: SGLang answers with server-sent events, by default the whole answer so far
+after each token (only the new part with `--incremental-streaming-output`); meta_info's
+`completion_tokens`, the count so far, tells which entries are new either way. Each new token
+goes to `on_token` as it comes; when it returns False the request is aborted by its rid and
+the stream read to its end.
+
 Routing replay (R3, mixture-of-experts models). A request with `routed_experts_start = s` is
 sent with `return_routed_experts: true` and `routed_experts_start_len: s`. SGLang 0.5.23 answers
 with `meta_info.routed_experts`: base64 of a little-endian int32 array [seqlen - 1 - s, layers,
@@ -207,8 +214,11 @@ class SGLangEngine(ServerEngine):
     routed = []
     for _ in range(self.max_resumes + 1):
       prompt = r.prompt_ids + ids
-      answer = self._call("/generate", self.payload(r, prompt, r.max_new_tokens - len(ids),
-                                                    known))
+      payload = self.payload(r, prompt, r.max_new_tokens - len(ids), known)
+      if r.on_token is not None and start is None:
+        answer, wanted = self._streamed(r, payload)
+      else:
+        answer = self._call("/generate", payload)
       new_ids, new_lps, reason, wv = self.parse(answer)
       ran = new_ids or reason != "abort" or "routed_experts" in answer["meta_info"]
       if start is not None and ran:
@@ -222,7 +232,8 @@ class SGLangEngine(ServerEngine):
         ttft = time.perf_counter() - t0
       ids += new_ids
       lps += new_lps
-      wanted = hand_over(r, new_ids, new_lps)
+      if r.on_token is None or start is not None:
+        wanted = hand_over(r, new_ids, new_lps)
       versions += [self.version if wv is None else wv] * len(new_ids)
       if (reason != "abort" or len(ids) >= r.max_new_tokens or not wanted
           or (should_abort is not None and should_abort())):
@@ -238,6 +249,34 @@ class SGLangEngine(ServerEngine):
       # without tokens whose every piece was aborted before it ran (nothing to train on).
       assert not ids or known == len(r.prompt_ids) + len(ids) - 1, (known, len(ids))
     return c
+
+  def _streamed(self, r: Request, payload: dict) -> tuple[dict, bool]:
+    """One /generate call, streamed: each new token goes to `r.on_token` as it comes; once
+    it asks to stop, the request is aborted (`/abort_request`) and the stream read to its
+    end. (the last answer, with every token's log-prob; whether `on_token` still wanted
+    them.) SGLang 0.5.23 streams the whole answer so far by default and only the new part
+    with --incremental-streaming-output; `completion_tokens` (the count so far, either way)
+    says which of the entries are new."""
+    entries, last, wanted = [], None, True
+    for event in self.http.events("/generate", {**payload, "stream": True}):
+      try:
+        meta = event["meta_info"]
+        got = meta["output_token_logprobs"]
+        total = int(meta.get("completion_tokens", len(got)))
+        new = got[len(got) - (total - len(entries)):] if total > len(entries) else []
+        new_ids, new_lps = [int(e[1]) for e in new], [float(e[0]) for e in new]
+      except (KeyError, TypeError, IndexError, ValueError) as e:
+        raise SGLangError(f"/generate: unexpected streamed answer ({e}): {str(event)[:300]}",
+                          Reason.BAD_ANSWER) from None
+      entries += new
+      last = event
+      if wanted and not hand_over(r, new_ids, new_lps):
+        wanted = False
+        with contextlib.suppress(SGLangError):
+          self._call("/abort_request", {"rid": r.request_id})
+    if last is None:
+      raise SGLangError("/generate: the stream ended without an answer", Reason.BAD_ANSWER)
+    return {**last, "meta_info": {**last["meta_info"], "output_token_logprobs": entries}}, wanted
 
   def generate(self, requests: Sequence[Request],
                should_abort: Callable[[], bool] | None = None) -> list[Completion]:

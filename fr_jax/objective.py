@@ -44,7 +44,10 @@ DELTA = 3e-3  # the paper's trust bound on D_i: the one default (the learner con
 # the reference code's variant (Dr. GRPO's): every token of the batch counts the same, and a
 # reply's weight no longer grows as it gets shorter.
 REDUCTIONS = ("sample_mean", "token_mean", "constant_length")
-TRUST_MODES = ("sequence", "token", "none")
+# sequence_negative (a deviation from the paper, off by default; DeepSeek-V3.2's off-policy
+# sequence masking): the sequence gate applied to negative advantages only, so a rewarded
+# reply is never gated away (issue 56: the gate removed the short rewarded replies).
+TRUST_MODES = ("sequence", "token", "none", "sequence_negative")
 ADVANTAGES = ("batch_centered", "positive_only")
 
 
@@ -191,8 +194,10 @@ def _reinforce(layout, logp, behavior_logp, rewards_N, valid_N, action_mask, *, 
   # (2) Trust region on the Bernoulli-KL proxy, with the learner prob detached.
   log_rho, rho, d, seq_kl_N = _token_terms(layout, jax.lax.stop_gradient(logp), behavior_logp,
                                            mask, T_N)
-  if trust == "sequence":
+  if trust in ("sequence", "sequence_negative"):
     admitted_N = seq_kl_N <= delta  # inclusive bound; delta=inf admits everything finite
+    if trust == "sequence_negative":  # only a negative advantage can be gated
+      admitted_N = admitted_N | (A_N >= 0)
     token_admitted = mask & layout.to_tok(admitted_N)
   elif trust == "token":
     token_admitted = mask & (d <= delta)  # token-local gate (ablation)
@@ -232,7 +237,8 @@ def flash_reinforce_loss(logp, behavior_logp, rewards, action_mask, *, delta=DEL
     delta: trust bound on D_i (or on d_it for trust="token"); inf disables the gate.
     reduction: "sample_mean" (paper), "token_mean" (ablation) or "constant_length" (the
       reference code's variant: 1/(B L) for every trajectory, L = `length_norm`).
-    trust: "sequence" (paper), "token" (token-local ablation) or "none".
+    trust: "sequence" (paper), "token" (token-local ablation), "none", or
+      "sequence_negative" (a deviation: only trajectories with A_i < 0 can be gated).
     advantage: "batch_centered" (paper) or "positive_only" (A_i = R_i, ablation).
     stats: optional `BatchStats` of the whole batch (for micro-batches); default: this batch.
     length_norm: L for reduction="constant_length" (e.g. the most tokens a reply may have).

@@ -48,8 +48,9 @@ def flash_reinforce(logp, blogp, rewards, mask, *, delta=3e-3, reduction="sample
         ds[t] = bern_kl(math.exp(blogp[i, t]), math.exp(logp[i, t]))
     D = max(0.0, sum(ds.values()) / n_act[i])
     seq_kl.append(D)
-    if trust == "sequence":
-      ok = D <= delta
+    if trust in ("sequence", "sequence_negative"):
+      # sequence_negative: only a trajectory whose advantage is negative can be gated
+      ok = D <= delta or (trust == "sequence_negative" and adv[i] >= 0)
       for t in ds:
         tok_ok[i, t] = ok
       admitted.append(ok)

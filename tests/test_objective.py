@@ -155,8 +155,8 @@ def _safe_delta(values, rng):
 
 
 VARIANTS = list(itertools.product(
-    ["sample_mean", "token_mean", "constant_length"], ["sequence", "token", "none"],
-    ["batch_centered", "positive_only"]))
+    ["sample_mean", "token_mean", "constant_length"],
+    ["sequence", "token", "none", "sequence_negative"], ["batch_centered", "positive_only"]))
 
 
 @pytest.mark.parametrize("reduction,trust,advantage", VARIANTS)
@@ -164,9 +164,12 @@ VARIANTS = list(itertools.product(
 def test_matches_numpy_reference(reduction, trust, advantage, seed):
   rng = np.random.default_rng(seed)
   logp, blogp, rewards, mask = random_case(rng)
-  if trust == "sequence":
-    _, _, a = ref.flash_reinforce(logp, blogp, rewards, mask, delta=math.inf)
-    delta = _safe_delta(a["seq_kl"], rng)
+  if trust in ("sequence", "sequence_negative"):
+    _, _, a = ref.flash_reinforce(logp, blogp, rewards, mask, delta=math.inf,
+                                  advantage=advantage)
+    gated = [d for d, adv in zip(a["seq_kl"], a["advantages"])  # the ones it can gate
+             if trust == "sequence" or adv < 0]
+    delta = _safe_delta(gated if len(gated) > 1 else a["seq_kl"], rng)
   else:
     ds = [ref.bern_kl(math.exp(blogp[i, t]), math.exp(logp[i, t]))
           for i, t in zip(*np.nonzero(mask))]
@@ -176,7 +179,10 @@ def test_matches_numpy_reference(reduction, trust, advantage, seed):
   want_loss, want_grad, want = ref.flash_reinforce(logp, blogp, rewards, mask, **kw)
   loss, g, aux = _loss_and_grad(obj.flash_reinforce_loss, logp, blogp, rewards, mask, **kw)
 
-  if trust != "none":  # the case must exercise both sides of the gate
+  if trust == "sequence_negative":  # only negative advantages are ever gated
+    assert all(adv < 0 for adv, ok in zip(want["advantages"], want["admitted"]) if not ok)
+    assert not all(want["admitted"]) or sum(a < 0 for a in want["advantages"]) < 2
+  elif trust != "none":  # the case must exercise both sides of the gate
     assert 0 < want["token_acceptance_rate"] < 1
   assert loss == pytest.approx(want_loss, rel=1e-5, abs=1e-6)
   np.testing.assert_allclose(g, want_grad, rtol=1e-5, atol=1e-7)

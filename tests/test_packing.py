@@ -181,7 +181,9 @@ def packed_loss_fn(batch, **kw):
 
 @pytest.mark.parametrize("reduction,trust,advantage", list(itertools.product(
     ["sample_mean", "token_mean"], ["sequence", "token", "none"],
-    ["batch_centered", "positive_only"])) + [("constant_length", "sequence", "batch_centered")])
+    ["batch_centered", "positive_only"])) + [("constant_length", "sequence", "batch_centered"),
+                                             ("sample_mean", "sequence_negative",
+                                              "batch_centered")])
 def test_packed_equals_padded(reduction, trust, advantage):
   rng = np.random.default_rng(zlib.crc32(f"{reduction}-{trust}-{advantage}".encode()))
   trajs = make_trajs(rng, 24, reward_levels=3)

@@ -73,6 +73,11 @@ VARIANTS: dict[str, LMSetting] = {
     # constant_length at twice the lr: it weighs each reply by its length, so the short
     # rewarded ones pull less than under sample_mean; does a larger step give it back?
     **_pair("constlen_lr1e5", objective__reduction="constant_length", optim__lr=1e-5),
+    # Step 4 (a deviation, docs/objective.md): the gate on negative advantages only, alone and
+    # with the step-3 candidate
+    **_pair("negGate", objective__trust="sequence_negative"),
+    **_pair("constlen_lr1e5_negGate", objective__reduction="constant_length", optim__lr=1e-5,
+            objective__trust="sequence_negative"),
     # B = 64 at the same 768 rollouts: 12 updates of an 18-update schedule (the same share)
     **_pair("b64", dict(batch_size=64, updates=12, schedule=18, eval_every=6),
             rollout__inflight=64, rollout__num_slots=64, service__queue_capacity=64),

@@ -65,6 +65,8 @@ def default_config() -> ml_collections.ConfigDict:
       # constant_length's L; 0: the run config sets agent.max_new_tokens (the longest reply
       # a turn may sample)
       length_norm=0.0,
+      # token, none (ablations), or sequence_negative (a deviation, docs/objective.md: only
+      # negative advantages gated)
       trust="sequence",
       advantage="batch_centered",
       clip_eps=0.2,  # grpo only

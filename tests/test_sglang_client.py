@@ -224,6 +224,26 @@ def test_http_errors_and_bad_answers_are_named_and_not_retried():
     far.close()
 
 
+def recorded_stream(body: bytes) -> ThreadingHTTPServer:
+  """A server that answers every POST with `body` as an event stream (HTTP/1.0: the body
+  ends when the connection closes)."""
+
+  class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+      pass
+
+    def do_POST(self):
+      self.rfile.read(int(self.headers["Content-Length"]))
+      self.send_response(200)
+      self.send_header("Content-Type", "text/event-stream")
+      self.end_headers()
+      self.wfile.write(body)
+
+  http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+  threading.Thread(target=http.serve_forever, daemon=True).start()
+  return http
+
+
 @pytest.mark.parametrize("body,reason,match", [
     (b'data: {"n": 1}\n\ndata: {"n": 2}\n\n', Reason.UNREACHABLE, "ended without"),
     (b'data: {"n": 1}\n\ndata: {"error": {"message": "boom"}}\n\n', Reason.HTTP_STATUS,
@@ -235,20 +255,7 @@ def test_a_broken_event_stream_is_named(body, reason, match):
   handed over; a stream cut before [DONE], an error event and an event that is not JSON fail
   with their reasons."""
   from fr_jax.rollout.http_engine import HTTPClient
-
-  class Handler(BaseHTTPRequestHandler):
-    def log_message(self, *args):
-      pass
-
-    def do_POST(self):
-      self.rfile.read(int(self.headers["Content-Length"]))
-      self.send_response(200)
-      self.send_header("Content-Type", "text/event-stream")
-      self.end_headers()  # HTTP/1.0: the body ends when the connection closes
-      self.wfile.write(body)
-
-  http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-  threading.Thread(target=http.serve_forever, daemon=True).start()
+  http = recorded_stream(body)
   client = HTTPClient(f"http://127.0.0.1:{http.server_address[1]}", SGLangError, retries=0)
   got = []
   try:
@@ -368,8 +375,6 @@ def test_a_streamed_request_equals_the_unstreamed_and_stops_when_told(served):
 def test_an_incremental_stream_is_read_as_such():
   """SGLang with --incremental-streaming-output sends only the new entries, with the count
   so far in completion_tokens: the tokens come out once each, in order (a recorded stream)."""
-  from http.server import BaseHTTPRequestHandler
-
   chunks = [{"meta_info": {"output_token_logprobs": [[-0.5, 28, None]], "completion_tokens": 1,
                            "finish_reason": None, "weight_version": "7"}},
             {"meta_info": {"output_token_logprobs": [[-0.25, 29, None], [-0.125, 30, None]],
@@ -378,20 +383,8 @@ def test_an_incremental_stream_is_read_as_such():
             {"meta_info": {"output_token_logprobs": [[-1.0, 2, None]], "completion_tokens": 4,
                            "finish_reason": {"type": "stop"}, "weight_version": "7"}}]
 
-  class Handler(BaseHTTPRequestHandler):
-    def log_message(self, *args):
-      pass
-
-    def do_POST(self):
-      self.rfile.read(int(self.headers["Content-Length"]))
-      self.send_response(200)
-      self.end_headers()
-      for c in chunks:
-        self.wfile.write(b"data: " + json.dumps(c).encode() + b"\n\n")
-      self.wfile.write(b"data: [DONE]\n\n")
-
-  http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-  threading.Thread(target=http.serve_forever, daemon=True).start()
+  http = recorded_stream(b"".join(b"data: " + json.dumps(c).encode() + b"\n\n"
+                                  for c in chunks) + b"data: [DONE]\n\n")
   client = SGLangEngine(f"http://127.0.0.1:{http.server_address[1]}", retries=0)
   heard = []
   try:

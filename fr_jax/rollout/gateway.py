@@ -57,7 +57,6 @@ import collections
 import dataclasses
 import logging
 import math
-import queue
 import re
 import sqlite3
 import threading
@@ -79,9 +78,8 @@ from fr_jax.rollout.chat_render import (
 from fr_jax.rollout.embedded import common_prefix
 from fr_jax.rollout.engine import Completion, Request
 from fr_jax.rollout.follower import WeightFollower
-from fr_jax.rollout.gateway_state import REWARDED_KEPT, Episode, Journal, Segment
+from fr_jax.rollout.gateway_state import REWARDED_KEPT, Delivery, Episode, Journal, Segment
 from fr_jax.rollout.gateway_turns import TextStream, align_chat, align_text, reply_text
-from fr_jax.trajectory import RETRY_REASONS
 
 log = logging.getLogger("fr_jax.gateway")
 
@@ -145,15 +143,14 @@ class Gateway:
     self.follower = WeightFollower(client, engine, cfg.weights, "gateway",
                                    swap=self.batcher.call if self.batcher else None)
     self.t0 = time.monotonic()
-    self.outbox: queue.Queue = queue.Queue()
-    pending = self.journal.records()
-    for t in pending:
-      self.outbox.put(t)
+    self.delivery = Delivery(self.journal, client, acks, self.stop)
+    self.acknowledged = self.delivery.acknowledged  # the client's on_ack with acks="callback"
+    pending = len(self.delivery.resent)
     if pending or self.open:
       log.info("gateway: resumed %d open episode(s) and %d unacknowledged record(s) from %s",
-               len(self.open), len(pending), journal)
-    self.m["records_resent"] = len(pending)
-    self.threads = [threading.Thread(target=self._send, daemon=True, name="gateway-send"),
+               len(self.open), pending, journal)
+    self.m["records_resent"] = pending
+    self.threads = [self.delivery.thread,
                     threading.Thread(target=self._reap, daemon=True, name="gateway-reap")]
     if follow_weights:
       self.threads.append(threading.Thread(target=self._follow, daemon=True,
@@ -433,7 +430,7 @@ class Gateway:
           self.m["episodes_rewarded"] += 1
           self.m["records"] += len(recs)
         for _, t in recs:
-          self.outbox.put(t)
+          self.delivery.put(t)
     finally:
       with self.lock:
         self.busy.discard(episode_id)
@@ -452,26 +449,7 @@ class Gateway:
               "segments": [{"tokens": len(s.seq), "sampled": int(sum(s.mask)), "turns": s.turns,
                             "tool_calls": s.tool_calls} for s in ep.segments]}
 
-  def acknowledged(self, traj_id: str, admitted: bool = True, reason: str = "") -> None:
-    """The learner holds (or refused, for good) record `traj_id`: it leaves the journal."""
-    with self.lock:
-      self.m["acked_admitted" if admitted else f"acked_{reason or 'refused'}"] += 1
-    try:
-      self.journal.acknowledged(traj_id)
-    except sqlite3.Error as e:  # sent again after a restart; the learner drops the copy
-      log.warning("gateway: could not clear acknowledged record %s (%s)", traj_id, e)
-
   # --- background ---
-  def _send(self):
-    while not self.stop.is_set():
-      try:
-        t = self.outbox.get(timeout=0.5)
-      except queue.Empty:
-        continue
-      got = self.client.push(t, self.stop)
-      if self.acks == "sync" and got is not None and (got[0] or got[1] not in RETRY_REASONS):
-        self.acknowledged(t.traj_id, *got)
-
   def _reap(self):
     every = max(0.05, min(30.0, self.cfg.episode_timeout_s / 4))
     while not self.stop.wait(every):
@@ -508,7 +486,7 @@ class Gateway:
               "open_episodes": len(self.open), "calls_in_progress": len(self.busy),
               "unacknowledged_records": self.journal.count(),
               "segments_by_reason": dict(self.splits), "max_drift_tokens": self.max_drift,
-              "tool_format": self.renderer.fmt, **dict(self.m)}
+              "tool_format": self.renderer.fmt, **dict(self.m), **self.delivery.answers()}
 
   def begin_close(self) -> None:
     """Refuses new calls and aborts the ones in flight: both answer 503 `shutting_down`, and

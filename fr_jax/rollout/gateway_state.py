@@ -9,19 +9,27 @@ learner (`transport.codec` records) and the ids of the last `REWARDED_KEPT` rewa
 (so that a reward posted again after a restart is refused as a repeat), in an SQLite file in
 WAL mode with synchronous FULL, so a committed write survives a crash. `path=None` keeps them
 in memory only.
+
+`Delivery`: the rewarded records, sent to the learner in order by one thread; each leaves the
+journal when the learner acknowledges it (at once from the push, or later by callback).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
+import logging
+import queue
 import sqlite3
 import threading
 
 import numpy as np
 
-from fr_jax.trajectory import Trajectory
+from fr_jax.trajectory import RETRY_REASONS, Trajectory
 from fr_jax.transport import codec
+
+log = logging.getLogger("fr_jax.gateway")
 
 REWARDED_KEPT = 65536  # rewarded episode ids remembered (in memory and in the journal)
 
@@ -186,3 +194,46 @@ class Journal:
   def close(self):
     with self.lock:
       self.db.close()
+
+
+class Delivery:
+  """Sends `journal`'s records to the learner through `client` (its `push`), one at a time in
+  the order they are put, from the journal's unacknowledged ones on. With `acks="sync"` a
+  push's answer acknowledges the record (unless the refusal is one to retry); with
+  `acks="callback"` the client calls `acknowledged`. Counts the answers in `counts`."""
+
+  def __init__(self, journal: Journal, client, acks: str, stop: threading.Event):
+    self.journal, self.client, self.acks, self.stop = journal, client, acks, stop
+    self.lock = threading.Lock()
+    self.counts = collections.Counter()
+    self.queue: queue.Queue = queue.Queue()
+    self.resent = journal.records()
+    for t in self.resent:
+      self.queue.put(t)
+    self.thread = threading.Thread(target=self._send, daemon=True, name="gateway-send")
+
+  def put(self, t: Trajectory) -> None:
+    self.queue.put(t)
+
+  def answers(self) -> dict:
+    with self.lock:
+      return dict(self.counts)
+
+  def acknowledged(self, traj_id: str, admitted: bool = True, reason: str = "") -> None:
+    """The learner holds (or refused, for good) record `traj_id`: it leaves the journal."""
+    with self.lock:
+      self.counts["acked_admitted" if admitted else f"acked_{reason or 'refused'}"] += 1
+    try:
+      self.journal.acknowledged(traj_id)
+    except sqlite3.Error as e:  # sent again after a restart; the learner drops the copy
+      log.warning("gateway: could not clear acknowledged record %s (%s)", traj_id, e)
+
+  def _send(self):
+    while not self.stop.is_set():
+      try:
+        t = self.queue.get(timeout=0.5)
+      except queue.Empty:
+        continue
+      got = self.client.push(t, self.stop)
+      if self.acks == "sync" and got is not None and (got[0] or got[1] not in RETRY_REASONS):
+        self.acknowledged(t.traj_id, *got)

@@ -32,6 +32,8 @@ parses SGLang's source with `ast`: nothing is installed or imported.
   server_default `arg=value`: the server argument's default (a class-level field in
                  sglang/srt/server_args.py or sglang/srt/arg_groups/); the client reads
                  meta_info.weight_version "default" as "no version given".
+  answer         `Struct.field`: a class-level field of `Struct` in io_struct.py, for a route
+                 whose handler answers with `msgspec_to_builtins(result)` of that type.
   server_arg     a server argument (a class-level field there), which /server_info reports
                  under its own name: it answers with every resolved server argument
                  (build_server_info -> ServerArgs.resolved_dict, a flat dict).
@@ -142,6 +144,23 @@ USES: tuple[Use, ...] = (
   Use("response", "/update_weights_from_disk", "success"),
   Use("response", "/update_weights_from_disk", "message"),
   Use("request", "/abort_request", "rid"),
+  # LoRA (SGLangEngine.load_adapter): adapters loaded, unloaded and named at run time, and
+  # the server's version label set without aborting anything.
+  Use("route", "/load_lora_adapter", "POST"),
+  Use("route", "/unload_lora_adapter", "POST"),
+  Use("route", "/update_weight_version", "POST"),
+  Use("request", "/load_lora_adapter", "lora_name"),
+  Use("request", "/load_lora_adapter", "lora_path"),
+  Use("request", "/unload_lora_adapter", "lora_name"),
+  Use("answer", "/load_lora_adapter", "LoRAUpdateOutput.success"),
+  Use("answer", "/load_lora_adapter", "LoRAUpdateOutput.error_message"),
+  Use("request", "/update_weight_version", "new_version"),
+  Use("request", "/update_weight_version", "abort_all_requests"),
+  Use("request", "/generate", "lora_path"),
+  Use("server_arg", "/server_info", "enable_lora"),  # named in the client's refusal
+  Use("server_arg", "/server_info", "max_lora_rank"),
+  Use("server_arg", "/server_info", "lora_target_modules"),
+  Use("server_arg", "/server_info", "max_loaded_loras"),
 )
 
 # /generate uses that the generated contract must also admit: kind -> its struct.
@@ -439,6 +458,9 @@ def check(sources: Mapping[str, str], uses: Iterable[Use] = USES) -> list[dict]:
       out = [(f"{MANAGERS}*.py:detokenize_logprob_tokens", use.name in layouts)]
     elif use.kind == "server_default":
       out = [(f"{SERVER_ARGS[0]} or {SERVER_ARGS[1]}", use.name in defaults)]
+    elif use.kind == "answer":
+      struct, field = use.name.split(".", 1)
+      out = [(f"{IO_STRUCT}:{struct}", field in class_fields(io_classes, struct))]
     elif use.kind == "server_arg":
       out = [(f"{SERVER_ARGS[0]} or {SERVER_ARGS[1]}", use.name in server_args)]
     else:

@@ -26,6 +26,15 @@ field. With the flag off the field is left out, silently, as SGLang does; `/serv
 reports the flag. The served model is dense, so the routing is MADE UP (`standin_routing`): a
 fixed function of the token, its position, the layer and the weight version that computed it.
 
+LoRA: with `enable_lora=True` (SGLang's `--enable-lora`, `max_lora_rank`,
+`lora_target_modules` as its --max-lora-rank and --lora-target-modules) `/load_lora_adapter`
+reads a PEFT adapter directory and keeps the served weights with it folded in
+(W + lora_alpha / r x B A, in float32, from the PEFT files themselves); `/unload_lora_adapter`
+drops one, `/update_weight_version` sets the label answers carry, and a /generate naming an
+adapter (`lora_path`) samples with it. One adapter runs at a time (SGLang's
+--max-loras-per-batch 1): the scheduler takes the queued requests of the first one's adapter.
+Without the flag a load fails with SGLang 0.5.23's message ("LoRA is not enabled").
+
 `PublishedWeights` stands in for the learner's side of the weight service: what
 `fr_jax.transport.server.serve` needs from a LearnerService for GetWeights and Heartbeat,
 over parameters published by hand (the weight relay's tests and benchmark).
@@ -54,7 +63,7 @@ from fr_jax.rollout.embedded import EmbeddedEngine
 from fr_jax.rollout.engine import Request
 
 GENERATE_KEYS = {"input_ids", "sampling_params", "return_logprob", "logprob_start_len", "rid",
-                 "return_routed_experts", "routed_experts_start_len"}
+                 "return_routed_experts", "routed_experts_start_len", "lora_path"}
 SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "skip_special_tokens",
                  "no_stop_trim", "sampling_seed", "stop_token_ids", "stop"}
 # Fields of SGLang's GenerateReqInput that sglang-router 0.3.2 always sends, at these values.
@@ -77,8 +86,9 @@ def standin_routing(cfg: ModelConfig, tokens, positions, version: int) -> np.nda
 
 
 class _Pending:
-  def __init__(self, req: Request):
+  def __init__(self, req: Request, adapter: str | None = None):
     self.req, self.done, self.result = req, threading.Event(), None
+    self.adapter = adapter  # the LoRA adapter it samples with (None: the base weights)
     self.ran = False  # taken into a batch (not aborted while queued)
 
 
@@ -87,7 +97,9 @@ class StandInSGLang:
                step_delay: float = 0.0, drop_before_load: bool = False,
                enable_return_routed_experts: bool = False,
                routing_config: ModelConfig | None = None, port: int = 0, api_key: str = "",
-               refuse_file: str = ""):
+               refuse_file: str = "", enable_lora: bool = False, max_lora_rank: int = 16,
+               lora_target_modules: tuple = ("q_proj", "k_proj", "v_proj", "o_proj",
+                                             "gate_proj", "up_proj", "down_proj")):
     self.engine = EmbeddedEngine(model.config, model.params, tokenizer=model.tokenizer,
                                  num_slots=num_slots, max_len=max_len)
     self.model_config = model.config
@@ -99,6 +111,12 @@ class StandInSGLang:
     # leaves none.
     self.drop_before_load = drop_before_load
     self.loads: list[tuple[int, str, float]] = []  # (version, path, time.time() when loaded)
+    self.enable_lora, self.max_lora_rank = enable_lora, max_lora_rank
+    self.lora_target_modules = set(lora_target_modules)
+    self.base = self.engine.params  # the weights without adapters
+    self.adapters: dict[str, dict] = {}  # name -> the served weights with it folded in
+    self.labelled = False  # /update_weight_version named a version
+    self.applied: str | None = None  # the adapter folded into the engine's weights now
     self.generated = 0  # /generate calls answered
     self.cond = threading.Condition()
     self.queue: list[_Pending] = []
@@ -134,7 +152,12 @@ class StandInSGLang:
           self.cond.wait()
         if self.stop:
           return
-        batch, self.queue = self.queue, []
+        adapter = self.queue[0].adapter  # one adapter at a time (--max-loras-per-batch 1)
+        batch = [p for p in self.queue if p.adapter == adapter]
+        self.queue = [p for p in self.queue if p.adapter != adapter]
+        if adapter != self.applied:
+          self.engine.params = self.base if adapter is None else self.adapters[adapter]
+          self.applied = adapter
         self.running = batch
         for p in batch:
           p.ran = True
@@ -195,7 +218,10 @@ class StandInSGLang:
       if not 0 <= routed_start <= len(req.prompt_ids):
         raise ValueError(f"routed_experts_start_len={routed_start} outside "
                          f"[0, {len(req.prompt_ids)}]")
-    p = _Pending(req)
+    adapter = body.get("lora_path")
+    if adapter is not None and adapter not in self.adapters:
+      raise ValueError(f"The following requested LoRA adapters are not loaded: {adapter}")
+    p = _Pending(req, adapter)
     with self.cond:
       self.queue.append(p)
       self.cond.notify_all()
@@ -262,10 +288,83 @@ class StandInSGLang:
       return {"success": False, "message": f"cannot load {path}: {e}"}
     # the engine's update_weights, minus its re-layout (the tensors came in that layout)
     self.engine.params, self.engine.version = params, version
+    self.base, self.applied = params, None
     del params
     with self.cond:
       self.loads.append((version, str(path), time.time()))
     return {"success": True, "message": f"loaded {body['model_path']}"}
+
+  # --- LoRA ---
+  def load_lora_adapter(self, body: dict) -> dict:
+    unknown = set(body) - {"lora_name", "lora_path", "pinned"}
+    if unknown:
+      raise ValueError(f"unknown fields {sorted(unknown)}")
+    name, path = body["lora_name"], Path(body["lora_path"])
+    if not self.enable_lora:
+      return {"success": False, "error_message": "LoRA is not enabled. Please set "
+              "`--enable-lora` to enable LoRA."}
+    with self.cond:
+      if name in self.adapters:
+        return {"success": False, "error_message": f"Failed to load LoRA adapter {name} "
+                "because it is already loaded"}
+    try:
+      merged = self._fold_adapter(path)
+    except (OSError, ValueError, KeyError, CheckpointError) as e:
+      return {"success": False, "error_message": f"cannot load {path}: {e}"}
+    with self.cond:
+      self.adapters[name] = merged
+      return {"success": True, "loaded_adapters": {n: "stand-in" for n in self.adapters}}
+
+  def unload_lora_adapter(self, body: dict) -> dict:
+    with self.cond:
+      if self.adapters.pop(body["lora_name"], None) is None:
+        return {"success": False, "error_message": f"LoRA with name {body['lora_name']} "
+                "does not exist."}
+      return {"success": True, "loaded_adapters": {n: "stand-in" for n in self.adapters}}
+
+  def update_weight_version(self, body: dict) -> dict:
+    if body.get("abort_all_requests", True):
+      raise ValueError("this stand-in supports abort_all_requests=false only")
+    self.engine.version = int(body["new_version"])
+    self.labelled = True
+    return {"success": True, "new_version": body["new_version"]}
+
+  def _fold_adapter(self, path: Path) -> dict:
+    """The base weights with the PEFT adapter at `path` folded in, in the served layout."""
+    conf = json.loads((path / hf_io.PEFT_CONFIG).read_text())
+    r, alpha = int(conf["r"]), float(conf["lora_alpha"])
+    if r > self.max_lora_rank:
+      raise ValueError(f"LoRA rank {r} exceeds --max-lora-rank {self.max_lora_rank}")
+    extra = set(conf["target_modules"]) - self.lora_target_modules
+    if extra:
+      raise ValueError(f"target modules {sorted(extra)} are not in --lora-target-modules")
+    with safe_open(str(path / hf_io.PEFT_WEIGHTS), framework="numpy") as f:
+      factors = {k: f.get_tensor(k).astype(np.float32) for k in f.keys()}
+    cfg = self.model_config
+    q, kv, ff = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, \
+        cfg.intermediate_size
+    # where each HF projection sits in the served layout: (matrix, first column, columns),
+    # q/k/v and gate/up fused column-wise (`decoder.decode_layout`)
+    slot = {"self_attn.q_proj.weight": ("wqkv", 0, q), "self_attn.k_proj.weight": ("wqkv", q, kv),
+            "self_attn.v_proj.weight": ("wqkv", q + kv, kv),
+            "self_attn.o_proj.weight": ("wo", 0, cfg.hidden_size),
+            "mlp.gate_proj.weight": ("w_gate_up", 0, ff),
+            "mlp.up_proj.weight": ("w_gate_up", ff, ff),
+            "mlp.down_proj.weight": ("w_down", 0, cfg.hidden_size)}
+    # (a layout read from disk has them apart: fused here as the engine's own load does)
+    layers = [decoder._fuse_projections(lp) for lp in self.base["layer_list"]]
+    for name, a in factors.items():
+      weight, ab = hf_io.adapted_weight(name)
+      if ab != "a":
+        continue
+      b = factors[hf_io.adapter_name(weight, "b")]
+      _, i, rest = weight.removeprefix("model.").split(".", 2)
+      k, c0, n = slot[rest]
+      delta = (alpha / r) * (b @ a)  # [out, in], HF's layout; ours is [in, out]
+      w = np.array(layers[int(i)][k], np.float32)
+      w[:, c0:c0 + n] += delta.T
+      layers[int(i)][k] = jnp.asarray(w, layers[int(i)][k].dtype)
+    return {**self.base, "layer_list": tuple(layers)}
 
   def _read_in_served_layout(self, path: Path) -> dict:
     """The HF checkpoint at `path` in the engine's decode layout (`decoder.decode_layout`),
@@ -314,7 +413,10 @@ class StandInSGLang:
     routes = {"/generate": server.generate, "/pause_generation": server.pause,
               "/continue_generation": server.resume,
               "/update_weights_from_disk": server.update_weights,
-              "/abort_request": server.abort_request}
+              "/abort_request": server.abort_request,
+              "/load_lora_adapter": server.load_lora_adapter,
+              "/unload_lora_adapter": server.unload_lora_adapter,
+              "/update_weight_version": server.update_weight_version}
 
     class Handler(BaseHTTPRequestHandler):
       def log_message(self, *args):
@@ -356,7 +458,7 @@ class StandInSGLang:
         elif self.path == "/server_info":
           self._send(200, server.server_info())
         elif self.path == "/model_info":  # SGLang: "default" until a load names a version
-          v = server.engine.version if server.loads else "default"
+          v = server.engine.version if server.loads or server.labelled else "default"
           self._send(200, {"weight_version": str(v), "model_path": "stand-in"})
         else:
           self._send(404, {"error": f"no route {self.path}"})
@@ -372,7 +474,9 @@ class StandInSGLang:
           server.log.append((self.path, dict(body)))
           if self.path == "/generate" and body.pop("stream", False):
             return self._stream(body)
-          self._send(200, fn(body))
+          out = fn(body)
+          self._send(400 if out.get("success") is False and "error_message" in out else 200,
+                     out)
         except (ValueError, KeyError, TypeError) as e:
           self._send(400, {"error": f"{type(e).__name__}: {e}"})
         except RuntimeError as e:

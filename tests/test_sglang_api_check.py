@@ -52,7 +52,7 @@ def table_strings():
   out = set()
   for use in chk.USES:
     out.add(use.route)
-    out |= set(use.name.split("="))
+    out |= set(re.split(r"[=.]", use.name))
   return out
 
 
@@ -116,6 +116,18 @@ SYNTHETIC = {
     async def server_info():
       return {**build_server_info(server_args), "version": __version__}
 
+    @app.api_route("/load_lora_adapter", methods=["POST"])
+    async def load_lora_adapter(obj: Annotated[LoadLoRAAdapterReqInput, Body()]):
+      return ORJSONResponse(msgspec_to_builtins(await manager.load_lora_adapter(obj)))
+
+    @app.api_route("/unload_lora_adapter", methods=["POST"])
+    async def unload_lora_adapter(obj: Annotated[UnloadLoRAAdapterReqInput, Body()]):
+      return ORJSONResponse(msgspec_to_builtins(await manager.unload_lora_adapter(obj)))
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(obj: Annotated[UpdateWeightVersionReqInput, Body()]):
+      return {"success": True}
+
     @app.get("/model_info")
     async def model_info():
       result = {"model_path": manager.model_path,
@@ -132,6 +144,7 @@ SYNTHETIC = {
       return_routed_experts: bool = False
       routed_experts_start_len: int = 0
       stream: bool = False
+      lora_path: Optional[Union[List[Optional[str]], str]] = None
       rid: Optional[str] = field(default=None, kw_only=True)
 
     class BaseReq(msgspec.Struct, kw_only=True):
@@ -150,6 +163,20 @@ SYNTHETIC = {
       model_path: str
       weight_version: Optional[str] = None
       flush_cache: bool = True
+
+    class UpdateWeightVersionReqInput(BaseReq, kw_only=True):
+      new_version: str
+      abort_all_requests: bool = True
+
+    class LoadLoRAAdapterReqInput(BaseReq, kw_only=True):
+      lora_name: str
+      lora_path: str
+
+    class UnloadLoRAAdapterReqInput(BaseReq, kw_only=True):
+      lora_name: str
+
+    class LoRAUpdateOutput(BaseReq, kw_only=True):
+      success: bool
     """),
   chk.SAMPLING: _src("""
     class SamplingParams:
@@ -200,6 +227,12 @@ SYNTHETIC = {
   "sglang/srt/arg_groups/fields/exec_.py": _src("""
     class ExecFeatures(msgspec.Struct):
       enable_return_routed_experts: A[bool, "Enable returning routed experts."] = False
+
+    class LoRAArgs(msgspec.Struct):
+      enable_lora: Optional[bool] = None
+      max_lora_rank: Optional[int] = None
+      lora_target_modules: Optional[List[str]] = None
+      max_loaded_loras: Optional[int] = None
     """),
   chk.CONTRACT: _src("""
     class GenerateRequest(msgspec.Struct, kw_only=True):
@@ -251,6 +284,8 @@ GAPS = {
   ("finish_type", "/generate", "abort"): [f"{chk.SCHEDULE_BATCH}:to_json"],
   ("logprob_entry", "/generate", "logprob=0"): [CONTRACT_LP],  # contract swaps the two
   ("logprob_entry", "/generate", "token_id=1"): [CONTRACT_LP],
+  ("answer", "/load_lora_adapter", "LoRAUpdateOutput.error_message"):
+      [IO + "LoRAUpdateOutput"],  # only `success` there
 }
 
 

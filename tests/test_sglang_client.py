@@ -320,6 +320,96 @@ def test_update_weights_from_disk_with_weight_version(served, tmp_path):
   assert np.abs(np.asarray(old) - full).max() > 1e-2  # the two models are told apart
 
 
+def lora_versions(model, tmp_path, seeds):
+  """{version: (its PEFT directory, the merged params it samples as)}, random adapters with
+  B != 0 on the attention's q and v and the MLP's up projection."""
+  import jax
+
+  from fr_jax.models import hf_io, lora
+  cfg = model.config.replace(lora_rank=4, lora_alpha=8.0, lora_targets=("wq", "wv", "w_up"))
+  out = {}
+  for v, seed in seeds:
+    p = jax.tree.map(np.asarray, lora.init_adapters(model.params, cfg, jax.random.key(seed)))
+    rng = np.random.default_rng(seed)
+    p["layers"] = {k: (0.5 * rng.standard_normal(a.shape)).astype(a.dtype)
+                   if k.endswith("_lora_b") else a for k, a in p["layers"].items()}
+    out[v] = (hf_io.save_peft(tmp_path / f"v{v}", p, cfg), lora.merged(p, cfg))
+  return out
+
+
+def test_lora_versions_load_as_adapters_and_sample_as_the_merged_model(tmp_path):
+  """A LoRA run on SGLang: each version, a PEFT directory, loads with /load_lora_adapter (no
+  pause), the server is labelled with /update_weight_version, and later requests name the
+  adapter (`lora_path`); their tokens carry its version and their log-probs are the merged
+  model's (base + scale B A, `lora.merged`) by an independent forward. A retried load is
+  accepted, the newest ADAPTERS_KEPT stay loaded, and a server without --enable-lora is
+  refused by name."""
+  model = registry.load("tiny-llama", seed=31)
+  versions = lora_versions(model, tmp_path, [(5, 1), (6, 2), (7, 3), (8, 4)])
+  plain = StandInSGLang(model)
+  client = SGLangEngine(plain.url)
+  try:
+    with pytest.raises(SGLangError, match="--enable-lora") as e:
+      client.update_weights(versions[5][0], 5)
+    assert e.value.reason is Reason.MISCONFIGURED
+  finally:
+    client.close()
+    plain.close()
+  server = StandInSGLang(model, enable_lora=True)
+  client = SGLangEngine(server.url)
+  try:
+    got = {}
+    for v, (d, merged) in versions.items():
+      client.update_weights(d, v)
+      assert client.served_version() == v
+      rs = reqs(3, seed=v)
+      for r, c in zip(rs, client.generate(rs)):
+        assert c.versions == [v] * len(c.token_ids) and c.token_ids
+        want = teacher_forced(merged, model.config, r.prompt_ids, c.token_ids, 1.0)
+        np.testing.assert_allclose(c.logprobs, want, atol=1e-4, rtol=0)
+        got[v, r.request_id] = c.token_ids
+    assert any(got[5, f"q{i}"] != got[6, f"q{i}"] for i in range(3))
+    paths = [p for p, _ in server.log]
+    assert "/pause_generation" not in paths and "/update_weights_from_disk" not in paths
+    assert {b.get("lora_path") for p, b in server.log if p == "/generate"} == {
+        f"fr-jax-v{v}" for v in versions}
+    assert sorted(server.adapters) == ["fr-jax-v6", "fr-jax-v7", "fr-jax-v8"]
+    client.update_weights(versions[8][0], 8)  # a relay's retry: already loaded, accepted
+    assert client.adapter == "fr-jax-v8" and client.version == 8
+  finally:
+    client.close()
+    server.close()
+
+
+def test_a_worker_beside_a_relay_samples_with_the_adapter_the_relay_loaded(tmp_path):
+  """A LoRA fleet: the relay's client loads each version as an adapter; a worker's client to
+  the same server (its own instance, told only the learner's version by heartbeat, with no
+  HF directory) names the adapter the server holds, and labels its tokens with it."""
+  from fr_jax.rollout.follower import WeightFollower
+  model = registry.load("tiny-llama", seed=31)
+  versions = lora_versions(model, tmp_path, [(5, 1), (6, 2)])
+  lcfg = model.config.replace(lora_rank=4, lora_alpha=8.0, lora_targets=("wq", "wv", "w_up"))
+  server = StandInSGLang(model, enable_lora=True)
+  relay, worker = SGLangEngine(server.url), SGLangEngine(server.url, model_config=lcfg)
+  follower = WeightFollower(None, worker, "hf", "worker-0")
+  try:
+    for v, (d, merged) in versions.items():
+      relay.update_weights(d, v)
+      assert follower.follow({"version": v, "hf_dir": ""})
+      assert not follower.follow({"version": v, "hf_dir": ""})  # nothing new
+      rs = reqs(3, seed=v)
+      for r, c in zip(rs, worker.generate(rs)):
+        assert c.versions == [v] * len(c.token_ids)
+        want = teacher_forced(merged, model.config, r.prompt_ids, c.token_ids, 1.0)
+        np.testing.assert_allclose(c.logprobs, want, atol=1e-4, rtol=0)
+    # the learner ahead of the relay: the worker keeps the adapter the server has
+    assert not follower.follow({"version": 7, "hf_dir": ""}) and worker.version == 6
+  finally:
+    relay.close()
+    worker.close()
+    server.close()
+
+
 def generate_across_an_update(server, client, tmp_path, **request):
   """A 120-token request on the stand-in with new weights loaded after 20 decode steps (the
   pause aborts it; the client resumes it): (completion, k = tokens sampled before)."""

@@ -35,6 +35,7 @@ from experiments.benchmarks.vllm_mismatch import learner_logp, mismatch
 from fr_jax.models import decoder, hf_io, registry
 from fr_jax.rollout.embedded import EmbeddedEngine
 from fr_jax.rollout.engine import Request
+from fr_jax.rollout.follower import WeightFollower
 from fr_jax.rollout.http_engine import Reason
 from fr_jax.rollout.vllm import VLLMEngine, VLLMError
 from fr_jax.transport import relay
@@ -280,15 +281,19 @@ def test_lora_versions_load_as_adapters_and_sample_as_the_merged_model(server, t
   proc = vllm_server.start(server.dirs[0], port=port, api_key=KEY, log=log, max_model_len=512,
                            lora_rank=8)
   e = VLLMEngine(url, api_key=KEY, timeout=120)
+  # a worker's client beside the relay's: told only the version, it follows the server
+  worker = VLLMEngine(url, api_key=KEY, timeout=120, model_config=lcfg)
+  follower = WeightFollower(None, worker, "hf", "worker-0")
   try:
     vllm_server.wait_ready(proc, url, log=log)
     got = {}
     for v, (d, merged) in versions.items():
       e.update_weights(d, v)
       assert e.served_version() == v
+      assert follower.follow({"version": v, "hf_dir": ""}) and worker.adapter == e.adapter
       reqs = [Request(f"l{v}-{i}", p, max_new_tokens=12, temperature=1.0, seed=50 + i)
               for i, p in enumerate(PROMPTS)]
-      for r, c in zip(reqs, e.generate(reqs)):
+      for r, c in zip(reqs, e.generate(reqs[:2]) + worker.generate(reqs[2:])):
         assert c.versions == [v] * len(c.token_ids) and len(c.token_ids) == 12
         want = learner_logp(merged, CFG, r.prompt_ids, c.token_ids, 1.0)
         np.testing.assert_allclose(c.logprobs, want, atol=1e-3)
@@ -296,6 +301,7 @@ def test_lora_versions_load_as_adapters_and_sample_as_the_merged_model(server, t
     assert any(got[(5, s)] != got[(6, s)] for s in range(50, 54))  # the adapters differ
   finally:
     e.close()
+    worker.close()
     vllm_server.stop(proc)
 
 

@@ -6,8 +6,11 @@ or older after a learner restart), or the engine failed since the last load (a r
 server comes back with the weights it was launched with), the follower loads it: the
 parameters themselves from the client for the embedded engine (`weights="arrays"`), or the
 directory through the engine's `update_weights` for a server (`weights="hf"`; a heartbeat
-without a directory yet loads nothing). A load that fails raises, and is tried again at the
-next heartbeat.
+without a directory yet loads nothing). In a server fleet fed by weight relays there is no
+directory: the relays load the servers, and for a LoRA run, whose versions are adapters the
+requests must name, the follower asks the server which one it holds
+(`ServerEngine.follow_adapter`). A load that fails raises, and is tried again at the next
+heartbeat.
 """
 
 from __future__ import annotations
@@ -42,7 +45,11 @@ class WeightFollower:
     if hb is None or (hb["version"] == self.engine.version and not self.reload):
       return False
     if self.weights == "hf":
-      if not hb.get("hf_dir"):
+      if not hb.get("hf_dir"):  # relays load the servers
+        if getattr(self.engine, "follows_adapters", False):
+          changed = self.engine.follow_adapter()
+          self.reload = False
+          return changed
         return False
       self.swap(lambda: self.engine.update_weights(hb["hf_dir"], hb["version"]))
       self.reload = False

@@ -28,6 +28,7 @@ back and carries a `Reason`.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import enum
 import json
 import threading
@@ -201,8 +202,20 @@ class ServerEngine:
   """What the engines that run as servers share: the `Engine` protocol's attributes, an
   `HTTPClient`, a pool of generate threads and the lock that keeps a weight update whole.
   Subclasses set `error` (their `EngineError`), `errors`, `api_key_env`, `prepare_weights`
-  (what a relay does to a version directory first, or None) and `reports_routing`."""
+  (what a relay does to a version directory first, or None) and `reports_routing`.
+
+  LoRA. An engine with `loads_adapters` loads a LoRA run's versions as adapters (PEFT
+  directories) beside the base weights: version v as adapter `adapter_name(v)`, which the
+  requests sent after it name (`adapter`). A piece of a request runs whole on the adapter it
+  named, so its tokens carry that adapter's version, whatever label the server gives them.
+  The newest `ADAPTERS_KEPT` stay loaded (older ones for the requests that may still hold
+  them); `_adapter_loaded` keeps that count. A client that does not load the versions itself
+  (a worker or gateway beside a relay, which loads them into the server) follows the server:
+  with a LoRA model config (`follows_adapters`), `follow_adapter` names the adapter of the
+  version the server is labelled with (the label the loading client sets after each load)."""
   weight_format = "hf"  # update_weights takes an HF safetensors directory
+  loads_adapters = False
+  ADAPTERS_KEPT = 3
   rides_out = staticmethod(rides_out)  # a load that failed without an answer: try again
   error: type[EngineError] = EngineError
 
@@ -218,6 +231,41 @@ class ServerEngine:
     self._pool = concurrent.futures.ThreadPoolExecutor(
         max_workers=max_concurrency, thread_name_prefix=type(self).__name__)
     self._lock = threading.Lock()
+    self.adapter: str | None = None  # the LoRA adapter requests sample with (None: the base)
+    self._adapters: list[str] = []  # loaded by this client, oldest first
+    self.follows_adapters = bool(self.loads_adapters and model_config is not None
+                                 and getattr(model_config, "lora_rank", 0))
+
+  @staticmethod
+  def adapter_name(version: int) -> str:
+    return f"fr-jax-v{int(version)}"
+
+  def _adapter_loaded(self, name: str, version: int, unload) -> None:
+    """Adapter `name` (of `version`) is loaded and samples: requests sent from now on name
+    it; adapters beyond the newest ADAPTERS_KEPT go (`unload(old_name)`, which may fail:
+    the server then keeps one more). Called under `_lock`."""
+    self.adapter, self.version = name, int(version)
+    if name not in self._adapters:
+      self._adapters.append(name)
+    while len(self._adapters) > self.ADAPTERS_KEPT:
+      old = self._adapters.pop(0)
+      with contextlib.suppress(self.error):
+        unload(old)
+
+  def follow_adapter(self) -> bool:
+    """Names, from now on, the adapter of the version the server is labelled with
+    (`served_version`), if that is not the one named already; True if it changed. The
+    server's label is what its relay set after loading that version's adapter, so the
+    adapter is there (a learner that went back to an older version is followed too)."""
+    v = self.served_version()
+    if v is None or (self.adapter is not None and v == self.version):
+      return False
+    with self._lock:
+      self.adapter, self.version = self.adapter_name(v), v
+    return True
+
+  def served_version(self) -> int | None:
+    raise NotImplementedError
 
   def health(self) -> bool:
     return self.http.healthy()

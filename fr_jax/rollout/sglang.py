@@ -11,6 +11,16 @@ gateway in front of a fleet).
   from prompt + partial tokens with the remaining budget, so every token carries the version
   that really sampled it.
 
+LoRA (a run with `model.lora.rank` R; the server launched with `--enable-lora --max-lora-rank R
+--lora-target-modules <the run's modules>` and `--max-loaded-loras` above ADAPTERS_KEPT, with
+one data-parallel replica per server: SGLang 0.5.23 loads adapters at run time only so): a
+version written as a PEFT directory loads with `/load_lora_adapter` as `fr-jax-v<version>`,
+beside the base weights, with no pause; `/update_weight_version` (not aborting anything)
+labels the server with it for `served_version`. Each /generate names the newest adapter
+(`lora_path`, which SGLang reads as an adapter's name); a piece keeps its adapter to its end,
+so its tokens carry that adapter's version, not the server's label (`ServerEngine`'s LoRA).
+Older adapters than the newest ADAPTERS_KEPT are unloaded (`/unload_lora_adapter`).
+
 Behind sglang-router (a fleet), generation goes through the router, but weight updates do
 not: the router does not forward `/update_weights_from_disk`, so a weight relay beside each
 server (`launch/weight_relay.py`) calls `update_weights` on that server alone, and each answer's
@@ -61,6 +71,7 @@ import base64
 import contextlib
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -85,6 +96,7 @@ class SGLangEngine(ServerEngine):
   api_key_env = "SGLANG_API_KEY"
   prepare_weights = None  # SGLang loads a relay's version directory as it is written
   reports_routing = True  # routing replay (R3), with the server's flag on
+  loads_adapters = True  # a LoRA run's versions load as adapters (module docstring)
 
   def __init__(self, base_url: str, *, model_config: ModelConfig | None = None, **kw):
     """`model_config`: the served model's, needed for routing replay only (which of SGLang's
@@ -100,9 +112,11 @@ class SGLangEngine(ServerEngine):
 
   # --- generation ---
   @staticmethod
-  def payload(r: Request, prompt_ids, max_new: int, routed_start: int | None = None) -> dict:
+  def payload(r: Request, prompt_ids, max_new: int, routed_start: int | None = None,
+              adapter: str | None = None) -> dict:
     """The /generate body; `routed_start` (not None) asks for the routed experts of positions
-    routed_start .. (SGLang requires 0 <= routed_start <= len(prompt_ids))."""
+    routed_start .. (SGLang requires 0 <= routed_start <= len(prompt_ids)); `adapter`: the
+    LoRA adapter to sample with."""
     sp = {"max_new_tokens": max_new, "temperature": r.temperature, "top_p": r.top_p,
           "skip_special_tokens": False, "no_stop_trim": True, "sampling_seed": r.seed}
     if r.stop_token_ids:
@@ -113,6 +127,8 @@ class SGLangEngine(ServerEngine):
             "logprob_start_len": -1, "rid": r.request_id}
     if routed_start is not None:
       body |= {"return_routed_experts": True, "routed_experts_start_len": routed_start}
+    if adapter is not None:
+      body["lora_path"] = adapter
     return body
 
   @staticmethod
@@ -214,7 +230,8 @@ class SGLangEngine(ServerEngine):
     routed = []
     for _ in range(self.max_resumes + 1):
       prompt = r.prompt_ids + ids
-      payload = self.payload(r, prompt, r.max_new_tokens - len(ids), known)
+      adapter, adapter_version = self.adapter, self.version
+      payload = self.payload(r, prompt, r.max_new_tokens - len(ids), known, adapter)
       if r.on_token is not None and start is None:
         answer, wanted = self._streamed(r, payload)
       else:
@@ -234,7 +251,9 @@ class SGLangEngine(ServerEngine):
       lps += new_lps
       if r.on_token is None or start is not None:
         wanted = hand_over(r, new_ids, new_lps)
-      versions += [self.version if wv is None else wv] * len(new_ids)
+      if adapter is not None or wv is None:
+        wv = adapter_version
+      versions += [wv] * len(new_ids)
       if (reason != "abort" or len(ids) >= r.max_new_tokens or not wanted
           or (should_abort is not None and should_abort())):
         break
@@ -296,7 +315,11 @@ class SGLangEngine(ServerEngine):
   # --- weights ---
   def update_weights(self, model_path, version: int) -> None:
     """Points the fleet at a new HF safetensors directory: pause (in-flight requests return
-    partial and are resumed by `generate`), load with `weight_version`, continue."""
+    partial and are resumed by `generate`), load with `weight_version`, continue. A PEFT
+    adapter directory (adapter_config.json) loads as an adapter instead (`load_adapter`)."""
+    if (Path(model_path) / "adapter_config.json").is_file():
+      self.load_adapter(model_path, version)
+      return
     with self._lock:
       self._call("/pause_generation", {"mode": "abort"})
       try:
@@ -309,6 +332,32 @@ class SGLangEngine(ServerEngine):
         self.version = int(version)
       finally:
         self._call("/continue_generation", {})
+
+  def load_adapter(self, path, version: int) -> None:
+    """Loads the PEFT adapter directory `path` (on the server's disk) as adapter
+    `fr-jax-v<version>` and labels the server `version`; requests sent from now on sample with
+    it (module docstring). No pause: the base weights do not change, and requests in flight
+    keep the adapter they started with."""
+    name = self.adapter_name(version)
+    with self._lock:
+      try:
+        res = self._call("/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+      except SGLangError as e:
+        if e.reason is not Reason.HTTP_STATUS:
+          raise
+        res = {"success": False, "error_message": str(e)}
+      msg = str(res.get("error_message") or res)
+      if not res.get("success", False) and "already loaded" not in msg:  # a relay's retry
+        if "not enabled" in msg or "HTTP 404" in msg:
+          raise SGLangError(
+              f"{self.base_url} does not load LoRA adapters ({msg[:300]}): launch it with "
+              "--enable-lora --max-lora-rank R --lora-target-modules <the run's modules> "
+              f"and --max-loaded-loras above {self.ADAPTERS_KEPT}", Reason.MISCONFIGURED)
+        raise SGLangError(f"/load_lora_adapter refused {path}: {msg[:500]}", Reason.REFUSED)
+      self._call("/update_weight_version", {"new_version": str(int(version)),
+                                            "abort_all_requests": False})
+      self._adapter_loaded(name, version, lambda old: self._call(
+          "/unload_lora_adapter", {"lora_name": old}))
 
   def served_version(self) -> int | None:
     """The weight version the server says it holds (`/model_info`'s weight_version); None

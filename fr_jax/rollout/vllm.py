@@ -114,7 +114,6 @@ class VLLMEngine(ServerEngine):
   # A LoRA run's versions load as adapters (`/v1/load_lora_adapter`; module docstring): a
   # relay writes each as a PEFT directory.
   loads_adapters = True
-  ADAPTERS_KEPT = 3  # adapters loaded at once: the newest, and older ones requests may hold
 
   def __init__(self, base_url: str, *, pause_mode: str = "keep", **kw):
     """`pause_mode`: what a weight update does with requests in flight (module docstring).
@@ -125,8 +124,6 @@ class VLLMEngine(ServerEngine):
     super().__init__(base_url, **kw)
     self.pause_mode = pause_mode
     self._checked = False  # the server reports processed log-probs (measured once)
-    self.adapter: str | None = None  # the LoRA adapter requests sample with (None: the base)
-    self._adapters: list[str] = []  # loaded by this client, oldest first
 
   # --- generation ---
   @staticmethod
@@ -340,7 +337,7 @@ class VLLMEngine(ServerEngine):
     sent from now on sample with it, their tokens labelled `version`. Requests in flight keep
     the adapter they started with; adapters older than the newest ADAPTERS_KEPT are unloaded.
     No pause: the base weights do not change."""
-    name = f"fr-jax-v{int(version)}"
+    name = self.adapter_name(version)
     how = ("start it with launch.vllm_server --lora_rank=R (--enable-lora, and "
            "VLLM_ALLOW_RUNTIME_LORA_UPDATING for the route)")
     with self._lock:
@@ -364,13 +361,8 @@ class VLLMEngine(ServerEngine):
                         f"({e}): {how}", Reason.MISCONFIGURED) from None
       # the server's label too: what `served_version` reads (a relay's restart check)
       self.http.call("/update_weight_version", {"new_version": str(int(version))})
-      self.adapter, self.version = name, int(version)
-      if name not in self._adapters:
-        self._adapters.append(name)
-      while len(self._adapters) > self.ADAPTERS_KEPT:
-        old = self._adapters.pop(0)
-        with contextlib.suppress(VLLMError):
-          self.http.call("/v1/unload_lora_adapter", {"lora_name": old}, text=True)
+      self._adapter_loaded(name, version, lambda old: self.http.call(
+          "/v1/unload_lora_adapter", {"lora_name": old}, text=True))
 
   # --- weights over NCCL (GPU nodes; docs/rollout.md "vLLM on GPU nodes") ---
   @staticmethod

@@ -234,7 +234,7 @@ class ServerEngine:
     self.adapter: str | None = None  # the LoRA adapter requests sample with (None: the base)
     self._adapters: list[str] = []  # loaded by this client, oldest first
     self.follows_adapters = bool(self.loads_adapters and model_config is not None
-                                 and getattr(model_config, "lora_rank", 0))
+                                 and model_config.lora_rank)
 
   @staticmethod
   def adapter_name(version: int) -> str:

@@ -263,9 +263,10 @@ def tls_flags(k) -> dict:
                           f"--tls_key={d}/client.key"])
 
 
-def check_run_config(k, targets) -> None:
+def check_run_config(k, targets):
   """Loads run_config (relative to this repository) with each command's overrides and runs
-  the run config's own validation; raises ClusterError with its message."""
+  the run config's own validation; raises ClusterError with its message. Returns the
+  workers' run config."""
   from fr_jax import config as rcfg
   path = Path(k.run_config)
   _need(path.is_file(), f"run_config={k.run_config!r}: no such file here (paths are relative "
@@ -279,6 +280,7 @@ def check_run_config(k, targets) -> None:
     sets.append(("weight relay", relay_overrides(k)))
   if "tpu_vm" in targets:
     sets.append(("tpu learner", learner_overrides(k, (k.tpu.mesh_data, k.tpu.mesh_fsdp))))
+  run = None
   for who, overrides in sets:
     c = module.get_config()
     for key, value in overrides.items():
@@ -301,6 +303,25 @@ def check_run_config(k, targets) -> None:
             f"vllm.max_model_len={k.vllm.max_model_len} is below run_config {k.run_config}'s "
             f"agent.max_total_tokens={c.agent.max_total_tokens}: the servers would refuse "
             "the longest episodes")
+    run = run or c
+  return run
+
+
+def lora_fleet(k, run, targets) -> dict:
+  """What a LoRA run (run config model.lora.rank > 0) changes in the fleet's files: vLLM
+  servers start with --lora_rank (each version then loads as an adapter, docs/lora.md).
+  SGLang fleets are refused: their workers generate through sglang-router, which would send
+  a request naming the newest adapter to a server whose relay has not loaded it yet."""
+  rank = run.model.lora.rank
+  if not rank or not {"slurm", "k8s"} & set(targets):
+    return {}
+  _need(k.engine == "vllm",
+        f"run_config {k.run_config} trains LoRA adapters (model.lora.rank={rank}) and "
+        f"engine={k.engine!r}: SGLang fleets generate through sglang-router, which may send a "
+        "request to a server that has not loaded its adapter yet; use engine='vllm' (each "
+        "worker generates on one server)")
+  ours, theirs = vllm_args(k)
+  return {"vllm_flags": [*ours, f"--lora_rank={rank}"], "vllm_engine_args": theirs}
 
 
 def context(k, source: str, targets) -> dict:
@@ -398,7 +419,7 @@ def main(argv):
   except ClusterError as e:
     common.fail(f"cluster config {source}: {e}")
   try:
-    check_run_config(k, targets)
+    ctx.update(lora_fleet(k, check_run_config(k, targets), targets))
   except ClusterError as e:
     common.fail(f"cluster config {source}: {e}")
   try:

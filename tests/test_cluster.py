@@ -581,6 +581,22 @@ def test_bad_config_is_one_line_and_exit_2(tmp_path, override, named):
   assert list(tmp_path.iterdir()) == []  # nothing written
 
 
+def test_a_lora_run_starts_vllm_servers_with_lora_and_refuses_sglang(tmp_path):
+  """A run config with LoRA adapters (qwen25_7b_tool_lora): the vLLM servers of both files
+  start with --lora_rank (each version then loads as an adapter); an SGLang fleet, whose
+  workers go through the router, is refused by name, nothing written."""
+  lora = "--cluster.run_config=experiments/configs/qwen25_7b_tool_lora.py"
+  r = cli(f"--cluster={EXAMPLE}", f"--out={tmp_path}", lora, "--cluster.engine=vllm")
+  assert r.returncode == 0, r.stderr
+  for name in ("slurm.sbatch", "k8s.yaml"):
+    text = (tmp_path / name).read_text()
+    assert text.count("--lora_rank=16") == 1, name
+  out = tmp_path / "sglang"
+  r = cli(f"--cluster={EXAMPLE}", f"--out={out}", lora)
+  assert r.returncode == 2 and "model.lora.rank=16" in r.stderr and "router" in r.stderr
+  assert not out.exists() or list(out.iterdir()) == []
+
+
 def test_one_target_checks_only_what_it_uses(tmp_path):
   # a v5p-8 has 4 JAX devices, not the example's tpu mesh of 8: only the TPU VM file cares
   r = cli(f"--cluster={EXAMPLE}", "--target=slurm", f"--out={tmp_path}",

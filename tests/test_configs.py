@@ -41,6 +41,11 @@ DOCUMENTED = {
                  "so 5e-5 instead of 5e-6": (lambda c: c.optim.lr, 5e-5)},
     "qwen25_7b_tool": {"600 steps": (lambda c: c.max_updates, 600),
                        "8+ GPUs for the learner (fsdp)": (lambda c: c.mesh.fsdp >= 8, True)},
+    "qwen25_7b_tool_lora": {"rank-16 adapters (alpha 32)": (
+                                lambda c: (c.model.lora.rank, c.model.lora.alpha), (16, 32.0)),
+                            "bfloat16 base": (lambda c: c.model.param_dtype, "bfloat16"),
+                            "one H100": (lambda c: (c.mesh.data, c.mesh.fsdp), (1, 1)),
+                            "10x the full recipe's": (lambda c: c.optim.lr, 1e-5)},
     "qwen3_30b_a3b_tool": {"800 steps": (lambda c: c.max_updates, 800),
                            "delta=1e-2": (lambda c: c.objective.delta, 1e-2),
                            "lag about 8": (lambda c: c.max_policy_lag, 8),
@@ -68,7 +73,7 @@ DOCUMENTED = {
                  "older than 8 are dropped": (lambda c: c.max_policy_lag, 8)},
 }
 SCHEDULE = {"alfworld_like": 200, "cpu_agent": 40, "cpu_default": 36, "cpu_lora": 36,
-            "qwen25_7b_tool": 600,
+            "qwen25_7b_tool": 600, "qwen25_7b_tool_lora": 600,
             "qwen25_math_1p5b": 2000, "r1_distill_1p5b_longcot": 6000, "tiny_test": 100,
             "gateway_smollm2": 2,
             "qwen3_30b_a3b_tool": 800, "tiny_moe": 60}

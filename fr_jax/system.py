@@ -19,7 +19,7 @@ from fr_jax import envs
 from fr_jax.learner import config as lcfg
 from fr_jax.learner.learner import Learner
 from fr_jax.learner.service import InflightController, LearnerService
-from fr_jax.models import registry
+from fr_jax.models import lora, registry
 from fr_jax.rollout.agent import AgentConfig
 from fr_jax.rollout.worker import Worker
 from fr_jax.transport import codec
@@ -101,8 +101,10 @@ def _server(c, model, params, version):
         "embedded engine")
   extra = {"pause_mode": c.rollout.vllm_pause_mode} if c.rollout.engine == "vllm" else {}
   # The model's config tells the SGLang client which of its per-layer routing rows are the
-  # sparse layers' (routing replay). The API key comes from the environment.
-  return engine(c.rollout.server_url, version=version, model_config=model.config,
+  # sparse layers' (routing replay), and with the run's LoRA fields that its versions are
+  # adapters to name (`ServerEngine.follow_adapter`). The API key comes from the environment.
+  mc = model.config.replace(**lora.config_fields(c.model))
+  return engine(c.rollout.server_url, version=version, model_config=mc,
                 timeout=c.rollout.server_timeout_s,
                 api_key=os.environ.get(engine.api_key_env) or None, **extra)
 

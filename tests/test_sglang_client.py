@@ -384,13 +384,20 @@ def test_lora_versions_load_as_adapters_and_sample_as_the_merged_model(tmp_path)
 def test_a_worker_beside_a_relay_samples_with_the_adapter_the_relay_loaded(tmp_path):
   """A LoRA fleet: the relay's client loads each version as an adapter; a worker's client to
   the same server (its own instance, told only the learner's version by heartbeat, with no
-  HF directory) names the adapter the server holds, and labels its tokens with it."""
+  HF directory) names the adapter the server holds, and labels its tokens with it. Before,
+  it named none and sampled the base model."""
+  from fr_jax import system
   from fr_jax.rollout.follower import WeightFollower
+  from tests import helpers
   model = registry.load("tiny-llama", seed=31)
   versions = lora_versions(model, tmp_path, [(5, 1), (6, 2)])
-  lcfg = model.config.replace(lora_rank=4, lora_alpha=8.0, lora_targets=("wq", "wv", "w_up"))
   server = StandInSGLang(model, enable_lora=True)
-  relay, worker = SGLangEngine(server.url), SGLangEngine(server.url, model_config=lcfg)
+  relay = SGLangEngine(server.url)
+  # the worker's engine as launch.worker builds it, from a LoRA run config
+  c = helpers.cfg(**{"rollout.engine": "sglang", "rollout.server_url": server.url,
+                     "model.lora.rank": 4, "model.lora.alpha": 8.0,
+                     "model.lora.targets": "wq,wv,w_up"})
+  worker = system.build_engine(c, model)
   follower = WeightFollower(None, worker, "hf", "worker-0")
   try:
     for v, (d, merged) in versions.items():

@@ -75,7 +75,10 @@ def agent_config(c: ml_collections.ConfigDict, model_config=None) -> AgentConfig
 
 def _embedded(c, model, params, version):
   from fr_jax.rollout.embedded import EmbeddedEngine
-  return EmbeddedEngine(model.config, model.params if params is None else params,
+  # with the run's LoRA fields: a remote worker's versions may come as base + adapters
+  # (`GrpcClient(lora=True)`), which the engine folds in
+  return EmbeddedEngine(model.config.replace(**lora.config_fields(c.model)),
+                        model.params if params is None else params,
                         tokenizer=model.tokenizer, num_slots=c.rollout.num_slots,
                         max_len=agent_config(c).engine_max_len, version=version)
 

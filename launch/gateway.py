@@ -90,7 +90,8 @@ def main(argv):
     box: list = []
     client = GrpcClient(FLAGS.learner, worker_id=FLAGS.worker_id,
                         token=common.secret(FLAGS.auth_token, "FR_JAX_TOKEN"),
-                        tls_ca=FLAGS.tls_ca, on_ack=lambda *a: box[0].acknowledged(*a))
+                        tls_ca=FLAGS.tls_ca, on_ack=lambda *a: box[0].acknowledged(*a),
+                        lora=bool(c.model.lora.rank) and c.rollout.engine == "embedded")
     got = None
     while got is None and not stop.is_set():  # the learner's current weights
       got = client.get_weights(0) if c.rollout.engine == "embedded" else (0, None, "")

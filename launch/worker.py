@@ -59,8 +59,10 @@ def main(argv):
       os.write(ledger, f"{traj_id} {'admitted' if admitted else reason}\n".encode())
 
   token = common.secret(FLAGS.auth_token, "FR_JAX_TOKEN")
+  # a LoRA run's embedded engine fetches the base once, then the adapters only
+  lora = bool(c.model.lora.rank) and c.rollout.engine == "embedded"
   client = GrpcClient(FLAGS.learner, worker_id=wid, token=token, tls_ca=FLAGS.tls_ca,
-                      tls_cert=FLAGS.tls_cert, tls_key=FLAGS.tls_key, on_ack=on_ack)
+                      tls_cert=FLAGS.tls_cert, tls_key=FLAGS.tls_key, on_ack=on_ack, lora=lora)
   stop = threading.Event()
   for sig in (signal.SIGTERM, signal.SIGINT):
     signal.signal(sig, lambda *_: stop.set())

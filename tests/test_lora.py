@@ -231,3 +231,51 @@ def test_lora_config_errors_name_the_problem():
   assert cfg.replace(lora_rank=2, lora_targets="q_proj,v_proj").lora_targets == ("wq", "wv")
   with pytest.raises(ConfigError, match="lora_rank=0"):
     _ = lora.merged(adapted("tiny-llama")[3], registry.TINY_CONFIGS["tiny-llama"])
+
+
+def test_a_remote_worker_fetches_the_base_once_then_the_adapters_only():
+  """GetWeights for a LoRA run (a worker's client with lora=True): the merged model until the
+  learner keeps adapters (from the publication after the first ask), then the frozen base
+  and the adapters once, then the adapters' bytes only. What the client hands its engine,
+  folded by the engine's own decode layout, is the learner's merged model."""
+  from fr_jax.learner.publish import Publisher
+  from fr_jax.rollout.embedded import EmbeddedEngine
+  from fr_jax.transport import server as srv
+  from fr_jax.transport.client import WeightsClient
+  L = Learner(tiny_config(**{"model.lora.rank": 4, "model.lora.alpha": 8.0, "optim.lr": 1e-3}),
+              devices=jax.devices()[:1])
+  pub = Publisher(L)
+  server, port = srv.serve(pub)
+  client = WeightsClient(f"127.0.0.1:{port}", lora=True)
+  fetched = []  # (form asked, bytes that came) per fetch
+  fetch = client.fetch_weights
+
+  def counted(*a, **k):
+    got = fetch(*a, **k)
+    fetched.append((k["form"], sum(x.nbytes for x in got[1].values())))
+    return got
+
+  client.fetch_weights = counted
+  cfg = L.model_config
+  engine = EmbeddedEngine(cfg, L.policy_params(), num_slots=1, max_len=16)
+  try:
+    pub.publish(0)
+    v, params, _ = client.get_weights(0)
+    assert v == 0 and not lora.has_adapters(params)  # not kept yet: the merged model
+    full = fetched[-1][1]
+    for b in batches(2):
+      L.update(b)
+      pub.publish(L.version)
+      v, params, _ = client.get_weights(L.version)
+      assert v == L.version and lora.has_adapters(params)
+      engine.update_weights(params, v)
+      want = decoder.decode_layout(L.policy_params(), cfg.replace(lora_rank=0, lora_targets=()))
+      assert max_diff(engine.params, want) <= 1e-6
+    adapter_bytes = 4 * lora.count(L.params)
+    assert [f for f, _ in fetched] == ["lora", "lora", "adapters"]
+    assert fetched[1][1] == full + adapter_bytes  # base (f32, as the merged) + adapters
+    assert fetched[2][1] == adapter_bytes < full / 10
+  finally:
+    client.close()
+    srv.stop(server, grace=0)
+    L.close()

@@ -361,6 +361,16 @@ class Learner:
     from jax.experimental import multihost_utils
     return multihost_utils.process_allgather(params, tiled=True)
 
+  def lora_snapshot(self, with_base: bool):
+    """(adapters, frozen base or None) of the current parameters, host NumPy copies keyed as
+    `codec.flatten` keys them, for workers that fetch a LoRA run's versions as adapters
+    (`Publisher`). One process only; call between updates."""
+    from fr_jax.transport import codec
+    trainable, frozen = lora.split(self.state.params)
+    host = lambda tree: {k: np.asarray(a) for k, a in  # noqa: E731
+                         codec.flatten(jax.device_get(tree)).items()}
+    return host(trainable), host(frozen) if with_base else None
+
   shard_sink = None  # a transport.shards.ShardHost on every process (launch.learner sets it)
   _shard_manifest = None
   _shard_pool = None

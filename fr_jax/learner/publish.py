@@ -14,6 +14,10 @@ not at all). Pruning keeps the version just written and the previous publication
 may still be loading it); after a restart, which has no previous publication, the newest
 other version on disk (what the fleet may still serve). A restarted learner's version is
 below the ones it wrote before; it is never the one pruned.
+LoRA over the wire (`lora_weights`): once a worker has asked for a LoRA run's versions as
+adapters (GetWeights' `form`), each publication also keeps the adapters as host copies, and
+the frozen base once, so that a worker fetches the base one time and then the adapters'
+bytes only. Until the next publication after that first ask, workers get the merged model.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import collections
 import threading
 
 from fr_jax import durable
+from fr_jax.models import lora
 
 
 class Publisher:
@@ -35,6 +40,9 @@ class Publisher:
     self._lock = threading.Lock()
     self._kept: collections.OrderedDict = collections.OrderedDict()  # version -> params
     self.keep = keep
+    self.lora_wanted = False  # a worker asked for adapters (`lora_weights`)
+    self._lora: dict = {}  # version -> the adapters, flat host copies
+    self._lora_base = None  # the frozen base, flat host copies (taken once)
 
   @property
   def version(self) -> int:
@@ -64,12 +72,36 @@ class Publisher:
       self.hf_dir = str(path)
       durable.prune(self.hf_export_dir, version, keep=2, also=self._exported)
       self._exported = version
+    lora_now = None
+    if self.lora_wanted and self.learner.group is None and lora.has_adapters(
+        self.learner.params):
+      lora_now = self.learner.lora_snapshot(with_base=self._lora_base is None)
     with self._lock:
       for v in [v for v in self._kept if v >= version]:  # a restored learner went back
         del self._kept[v]
       self._kept[version] = params
       while len(self._kept) > self.keep:
         self._kept.popitem(last=False)
+      if lora_now is not None:
+        adapters, base = lora_now
+        self._lora_base = self._lora_base if base is None else base
+        self._lora[version] = adapters
+      self._lora = {v: a for v, a in self._lora.items() if v in self._kept}
+
+  def lora_weights(self, min_version: int, form: str):
+    """(version, flat host arrays) of the newest version if >= min_version: with form "lora"
+    the frozen base and the adapters, with "adapters" the adapters alone; None if this
+    version has none at hand (not a LoRA run, or no worker had asked before it was
+    published: the caller sends the merged model). Asking marks them wanted."""
+    if form not in ("lora", "adapters"):
+      raise ValueError(f"form={form!r}: lora or adapters")
+    self.lora_wanted = True
+    with self._lock:
+      v, _ = self._newest()
+      adapters = self._lora.get(v)
+      if v < min_version or adapters is None:
+        return None
+      return v, ({**self._lora_base, **adapters} if form == "lora" else dict(adapters))
 
   def weights(self, min_version: int = 0):
     """(version, params) of the published weights if version >= min_version, else None."""

@@ -130,6 +130,10 @@ class LearnerService(Recovery):
     """(version, params) of the published weights if version >= min_version, else None."""
     return self.publisher.weights(min_version)
 
+  def lora_weights(self, min_version: int, form: str):
+    """A LoRA run's version as base + adapters or adapters alone (`Publisher.lora_weights`)."""
+    return self.publisher.lora_weights(min_version, form)
+
   def weights_at(self, version: int):
     """("ok", params) of exactly `version`, or ("not_yet" | "gone", None) (`Publisher`)."""
     return self.publisher.weights_at(version)

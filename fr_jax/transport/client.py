@@ -22,6 +22,10 @@ An acknowledged record is in the learner's admission log, which survives its res
 for the chaos run, `launch.worker --ack_ledger`).
 `LocalClient` calls the service directly: threads in one process share the model and the
 devices, and nothing is serialised.
+A LoRA run's worker (`lora=True`) fetches its first version as the frozen base and the
+adapters, unmerged, keeps the base, and from then on fetches the adapters' bytes only; the
+params it hands back are base + adapters, which its engine folds (`decoder.decode_layout`).
+A learner that does not have them at hand answers with the merged model, used as it is.
 `WeightsClient` is the part of `GrpcClient` without a trajectory stream (weights and
 heartbeats only), for processes that only follow the learner's weights: the weight relay
 beside each SGLang server (`fr_jax/transport/relay.py`), which also asks for manifests
@@ -42,6 +46,7 @@ from pathlib import Path
 import grpc
 import jax.numpy as jnp
 
+from fr_jax.models import lora as lora_lib
 from fr_jax.trajectory import RETRY_REASONS
 from fr_jax.transport import codec, rpc
 from fr_jax.transport import fr_jax_pb2 as pb
@@ -104,8 +109,10 @@ class WeightsClient:
   """Weights and heartbeats over gRPC; no trajectory stream."""
 
   def __init__(self, address: str, *, worker_id: str = "worker", token: str = "",
-               tls_ca: str = "", tls_cert: str = "", tls_key: str = ""):
+               tls_ca: str = "", tls_cert: str = "", tls_key: str = "", lora: bool = False):
     self.address, self.worker_id = address, worker_id
+    self.lora = lora  # fetch a LoRA run's versions as adapters (module docstring)
+    self._lora_base: dict | None = None  # the frozen base, once fetched (flat)
     self._tls = (tls_ca, tls_cert, tls_key)
     self.channel = self._channel(address)
     self.stub = rpc.Stub(self.channel)
@@ -145,7 +152,7 @@ class WeightsClient:
                           metadata=self._md, timeout=timeout)
 
   def fetch_weights(self, min_version: int, timeout: float = 300.0,
-                    max_bytes: int | None = None):
+                    max_bytes: int | None = None, form: str = ""):
     """(version, {name: NumPy array}, hf_dir), or None when the learner's weights are older
     than `min_version`. Chunks are assembled as they arrive (no second copy of the stream);
     `max_bytes` (the model's size) bounds what is allocated for them. Raises
@@ -160,7 +167,7 @@ class WeightsClient:
         yield c
 
     call = self.stub.GetWeights(
-        pb.WeightsRequest(min_version=min_version, worker_id=self.worker_id),
+        pb.WeightsRequest(min_version=min_version, worker_id=self.worker_id, form=form),
         metadata=self._md, timeout=timeout)
     try:
       chunks = counted(call)
@@ -178,15 +185,22 @@ class WeightsClient:
   def get_weights(self, min_version: int, timeout: float = 300.0):
     """(version, params as jax arrays, hf_dir); None if nothing that new, or if the fetch
     failed (logged)."""
+    form = "" if not self.lora else "lora" if self._lora_base is None else "adapters"
     try:
-      got = self.fetch_weights(min_version, timeout)
+      got = self.fetch_weights(min_version, timeout, form=form)
     except codec.WeightsError as e:
       log.warning("weights fetch from %s failed: %s", self.address, e)
       return None
     if got is None:
       return None
     v, flat, hf_dir = got
-    return v, codec.unflatten({k: jnp.asarray(a) for k, a in flat.items()}), hf_dir
+    adapters = {k for k in flat if lora_lib.is_adapter(k)}
+    arrays = {k: jnp.asarray(a) for k, a in flat.items()}
+    if adapters and len(adapters) < len(flat):  # base + adapters: keep the base
+      self._lora_base = {k: a for k, a in arrays.items() if k not in adapters}
+    elif adapters:  # adapters alone, on the base fetched before
+      arrays = {**self._lora_base, **arrays}
+    return v, codec.unflatten(arrays), hf_dir
 
   def heartbeat(self, stats: dict, timeout: float = 5.0) -> dict | None:
     try:

@@ -63,12 +63,14 @@ class PushAck(_message.Message):
     def __init__(self, traj_id: _Optional[str] = ..., admitted: _Optional[bool] = ..., reason: _Optional[str] = ..., learner_version: _Optional[int] = ..., queue_depth: _Optional[int] = ...) -> None: ...
 
 class WeightsRequest(_message.Message):
-    __slots__ = ("min_version", "worker_id")
+    __slots__ = ("min_version", "worker_id", "form")
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    FORM_FIELD_NUMBER: _ClassVar[int]
     min_version: int
     worker_id: str
-    def __init__(self, min_version: _Optional[int] = ..., worker_id: _Optional[str] = ...) -> None: ...
+    form: str
+    def __init__(self, min_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., form: _Optional[str] = ...) -> None: ...
 
 class WeightsChunk(_message.Message):
     __slots__ = ("version", "num_tensors", "name", "dtype", "shape", "offset", "total_bytes", "data", "hf_dir", "crc32", "piece", "base_version")

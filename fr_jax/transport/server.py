@@ -13,6 +13,9 @@ Message sizes are capped at `codec.MAX_MESSAGE_BYTES`.
 
 Weights: `GetWeights` streams the published version in chunks, each tensor's last chunk with
 the CRC-32 of the whole tensor; the host copy and the checksums are made once per version.
+A LoRA run's workers ask with `form` "lora" (the frozen base and the adapters, unmerged) once,
+then "adapters" (the adapters' bytes only) for every later version (`Publisher.lora_weights`);
+until the learner has them at hand they get the merged model.
 A learner whose service has `shards` (a `transport.shards.ShardHost`) also answers weight
 relays' `GetManifest` and serves its pieces (`GetShards`, the `fr_jax.Shards` service);
 `serve_shards` is that service alone, for the other learner processes and for relays that
@@ -133,6 +136,17 @@ class _Servicer:
                        learner_version=s.version, queue_depth=len(s.queue))
 
   def GetWeights(self, request, context):
+    if request.form:  # a LoRA run's version as base + adapters, or adapters alone
+      if request.form not in ("lora", "adapters"):
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"form={request.form!r}: '', 'lora' or 'adapters'")
+      pick = getattr(self.service, "lora_weights", None)
+      got = pick(request.min_version, request.form) if pick is not None else None
+      if got is not None:
+        v, flat = got
+        yield from codec.weight_chunks(v, flat, hf_dir=self.service.hf_dir,
+                                       crcs=codec.tensor_crcs(flat))
+        return
     got = self.service.weights(request.min_version)
     if got is None:
       return

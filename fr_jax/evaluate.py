@@ -11,15 +11,23 @@ the env's tool charges, if it prices its tool). Envs whose tasks carry a `level`
 also get `by_level`: accuracy, tool calls and reward per difficulty.
 
 Calibration (`calibration=True`, issue 60): does the agent call its tool where it would fail
-without it? The same tasks run again with the tool taken away (the env with `tools=()`: no
-tool in the system turn, no call executed), and per level `by_level` adds
-`accuracy_no_tool` (what the model knows by itself), `tool_attempts_no_tool` (replies that
-still wrote a call, which then scored 0), `reward_never` (the reward of never calling: the
-no-tool accuracy), `reward_always` (an estimate of always calling: the accuracy of the
-episodes that called, less the tool's price; None where none called) and `regret` (the best
-of those two fixed policies' reward, less the agent's). `calibration` sums it up:
-`need_vs_calls`, the correlation over levels between 1 - accuracy_no_tool and the tool-call
-rate (1: it calls exactly where it needs to), and the mean regret over levels.
+without it? Two measures of what the model knows by itself, per level in `by_level`:
+* `accuracy_direct`, in the agent's own context (the tool offered): each task's answer when
+  the agent answers without calling, from the first such episode among the evaluation's
+  samples and then up to `DIRECT_TRIES` more first replies sampled (at the evaluation's
+  temperature, 1.0 when it is greedy) for the tasks still without one, so a sample of the
+  agent's answer given that it does not call. Over the tasks that got one
+  (`direct_resolved`, their fraction); None where none did (it always calls).
+* `accuracy_no_tool`, with the tool taken away (the env with `tools=()`: no tool in the
+  system turn, no call executed): another prompt, which a warm start never trained on, so it
+  can read as the base model's skill (docs/agent_demo.md); `tool_attempts_no_tool` counts the
+  replies that still wrote a call (scored 0).
+The fixed policies' rewards: `reward_never` (never calling: the direct accuracy, the no-tool
+one where no task answered directly), `reward_always` (the accuracy of the episodes that
+called, less the tool's price; None where none called), and `regret` (the better of the two,
+less the agent's reward). `calibration` sums it up: `need_vs_calls`, the correlation over
+levels between need (1 - reward_never) and the tool-call rate (1: it calls exactly where it
+needs to), and the mean regret over levels.
 """
 
 from __future__ import annotations
@@ -94,9 +102,37 @@ def evaluate(model_config, params, tokenizer, env, agent: AgentConfig, *, n: int
   return out
 
 
-def _calibrate(out, env, tasks, loop, cfg, engine, tokenizer, scores, calls, seeds, samples):
-  """The no-tool pass and the calibration figures (module docstring), into `out`."""
+DIRECT_TRIES = 4  # first replies sampled per task still without a direct answer
+
+
+def _direct_scores(tasks, loop_cfg, engine, tokenizer, env, scores, calls, seed, samples):
+  """Per task, the score of an answer given without calling (module docstring), NaN where
+  none came."""
   n = len(tasks)
+  direct = np.full(n, np.nan)
+  for s in range(samples):  # the evaluation's own episodes that did not call
+    todo = np.isnan(direct) & (calls[s] == 0)
+    direct[todo] = scores[s][todo]
+  cfg = dataclasses.replace(loop_cfg, max_turns=1,
+                            temperature=loop_cfg.temperature or 1.0)
+  first = AgentLoop(engine, tokenizer, env, cfg)
+  for j in range(DIRECT_TRIES):
+    todo = np.flatnonzero(np.isnan(direct))
+    if not len(todo):
+      break
+    ts, eps = first.run([tasks[i] for i in todo],
+                        [seed + (samples + j) * n + i for i in todo])
+    for i, t, e in zip(todo, ts, eps):
+      if parse_tool_call(tokenizer.decode(t.completion_tokens))[0] is None:
+        direct[i] = e.score
+  return direct
+
+
+def _calibrate(out, env, tasks, loop, cfg, engine, tokenizer, scores, calls, seeds, samples):
+  """The direct and no-tool passes and the calibration figures (module docstring), into
+  `out`."""
+  n = len(tasks)
+  direct = _direct_scores(tasks, cfg, engine, tokenizer, env, scores, calls, seeds[0], samples)
   bare = dataclasses.replace(env, tools=())
   bare_loop = AgentLoop(engine, tokenizer, bare, cfg)
   bare_scores = np.zeros((samples, n))
@@ -111,17 +147,24 @@ def _calibrate(out, env, tasks, loop, cfg, engine, tokenizer, scores, calls, see
   for lv, row in out["by_level"].items():
     sel = np.array([t.meta.get("level") == lv for t in tasks])
     called = calls[:, sel] > 0
-    never = float(bare_scores[:, sel].mean())
+    bare_acc = float(bare_scores[:, sel].mean())
+    got = direct[sel][~np.isnan(direct[sel])]
+    direct_acc = float(got.mean()) if len(got) else None
+    never = bare_acc if direct_acc is None else direct_acc
     always = (float(scores[:, sel][called].mean()) - cost) if called.any() else None
     best = max(never, always) if always is not None else never
-    row.update(accuracy_no_tool=never, tool_attempts_no_tool=float(attempts[:, sel].mean()),
+    row.update(accuracy_direct=direct_acc, direct_resolved=len(got) / int(sel.sum()),
+               accuracy_no_tool=bare_acc, tool_attempts_no_tool=float(attempts[:, sel].mean()),
                reward_never=never, reward_always=always, regret=best - row["reward"])
     need.append(1.0 - never)
     rate.append(row["tool_calls_per_trajectory"])
     regrets.append(row["regret"])
   corr = (float(np.corrcoef(need, rate)[0, 1])
           if len(need) > 1 and np.std(need) > 0 and np.std(rate) > 0 else None)
+  resolved = direct[~np.isnan(direct)]
   out["calibration"] = dict(need_vs_calls=corr, mean_regret=float(np.mean(regrets)),
+                            accuracy_direct=float(resolved.mean()) if len(resolved) else None,
+                            direct_resolved=len(resolved) / n,
                             accuracy_no_tool=float(bare_scores.mean()))
 
 
@@ -134,18 +177,21 @@ def table(result: dict) -> str:
 
 
 def calibration_table(result: dict) -> str:
-  """Per level: accuracy without and with the tool, tool calls, reward, the best fixed
-  policy's reward and the regret; then the summary (`evaluate(..., calibration=True)`)."""
-  lines = [f"{'level':8}{'n':>5}{'no tool':>9}{'tool':>7}{'calls':>7}{'reward':>8}"
-           f"{'best fixed':>11}{'regret':>8}"]
+  """Per level: the direct accuracy (and the fraction of tasks answered directly), the
+  accuracy without the tool and with it, tool calls, reward, the best fixed policy's reward
+  and the regret; then the summary (`evaluate(..., calibration=True)`)."""
+  lines = [f"{'level':8}{'n':>5}{'direct':>8}{'(of)':>6}{'no tool':>9}{'tool':>7}"
+           f"{'calls':>7}{'reward':>8}{'best fixed':>11}{'regret':>8}"]
   for lv, x in result["by_level"].items():
     best = x["reward_never"] if x["reward_always"] is None else max(x["reward_never"],
                                                                       x["reward_always"])
-    lines.append(f"{lv:8}{x['n']:>5}{x['accuracy_no_tool']:>9.3f}{x['accuracy']:>7.3f}"
+    d = "n/a" if x["accuracy_direct"] is None else f"{x['accuracy_direct']:.3f}"
+    lines.append(f"{lv:8}{x['n']:>5}{d:>8}{x['direct_resolved']:>6.2f}"
+                 f"{x['accuracy_no_tool']:>9.3f}{x['accuracy']:>7.3f}"
                  f"{x['tool_calls_per_trajectory']:>7.2f}{x['reward']:>8.3f}{best:>11.3f}"
                  f"{x['regret']:>8.3f}")
   cal = result["calibration"]
   corr = "n/a" if cal["need_vs_calls"] is None else f"{cal['need_vs_calls']:.3f}"
-  lines.append(f"tool calls against need (1 - no-tool accuracy), correlation over levels: "
+  lines.append(f"tool calls against need (1 - never-calling reward), correlation over levels: "
                f"{corr}; mean regret {cal['mean_regret']:.3f}")
   return "\n".join(lines)

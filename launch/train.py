@@ -49,8 +49,11 @@ def _evaluate(c, model, params, label, n, calibration=False):
   if "calibration" in r:
     cal = r["calibration"]
     corr = "n/a" if cal["need_vs_calls"] is None else f"{cal['need_vs_calls']:.2f}"
-    print(f"  {label}, calibration: accuracy without the tool {cal['accuracy_no_tool']:.3f}; "
-          f"tool calls against need (1 - accuracy without it), correlation over levels {corr}; "
+    d = "n/a" if cal["accuracy_direct"] is None else f"{cal['accuracy_direct']:.3f}"
+    print(f"  {label}, calibration: accuracy answering without calling {d} (on "
+          f"{cal['direct_resolved']:.2f} of the tasks), without the tool "
+          f"{cal['accuracy_no_tool']:.3f}; tool calls against need (1 - the never-calling "
+          f"reward), correlation over levels {corr}; "
           f"mean regret against the best fixed policy per level {cal['mean_regret']:.3f}",
           file=sys.stderr, flush=True)
   return r
@@ -96,27 +99,28 @@ def _table(stages: dict) -> dict:
     row = {"all": {"accuracy": r["accuracy"], "tool_calls": r["tool_calls_per_trajectory"]}}
     for lv, x in r.get("by_level", {}).items():
       row[lv] = {"accuracy": x["accuracy"], "tool_calls": x["tool_calls_per_trajectory"]}
-      if "accuracy_no_tool" in x:
-        row[lv]["accuracy_no_tool"] = x["accuracy_no_tool"]
+      if "reward_never" in x:  # calibrated: what answering without calling scores
+        row[lv]["accuracy_alone"] = x["reward_never"]
     out[name] = row
   return out
 
 
 def _print_table(table: dict, n: int, decoding: str) -> None:
-  """The before/after table on stderr: accuracy (and, calibrated, accuracy without the tool
-  in brackets) and tool calls per difficulty and stage."""
+  """The before/after table on stderr: accuracy (and, calibrated, in brackets the accuracy
+  of answering without calling: `reward_never`) and tool calls per difficulty and stage."""
   cols = [k for k in next(iter(table.values()))]
-  bare = any("accuracy_no_tool" in x for row in table.values() for x in row.values())
-  w = 18 if bare else 12
+  alone = any("accuracy_alone" in x for row in table.values() for x in row.values())
+  w = 18 if alone else 12
 
   def acc(x):
-    if "accuracy_no_tool" in x:
-      return f"{x['accuracy']:.3f} ({x['accuracy_no_tool']:.2f})"
+    if "accuracy_alone" in x:
+      return f"{x['accuracy']:.3f} ({x['accuracy_alone']:.2f})"
     return f"{x['accuracy']:.3f}"
 
   head = "".join(f"{c + ' acc':>{w}}{c + ' calls':>13}" for c in cols)
-  lines = [f"held-out, {decoding}, n={n}" + ("; (in brackets: accuracy without the tool)"
-                                             if bare else ""), f"{'':8}{head}"]
+  lines = [f"held-out, {decoding}, n={n}" + (
+      "; (in brackets: accuracy answering without calling)" if alone else ""),
+           f"{'':8}{head}"]
   for stage, row in table.items():
     lines.append(f"{stage:8}" + "".join(f"{acc(row[c]):>{w}}{row[c]['tool_calls']:>13.2f}"
                                         for c in cols))

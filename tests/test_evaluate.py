@@ -115,7 +115,8 @@ class BinEngine:
   and add1c items directly (add1c right only for k < 5), calls the tool on add2 and mul21 and
   then answers right, and on hard items calls for k < 5 (then right) and answers directly,
   wrong, for k >= 5. Without the tool it knows easy items and add1c for k < 5; on hard items
-  it still writes a call."""
+  it still writes a call. Sampled (the direct-answer tries of this greedy evaluation), it
+  answers add2 items directly, right for k < 5 only."""
 
   version = 0
 
@@ -132,12 +133,14 @@ class BinEngine:
       call = ('<tool_call>\n{"name": "python", "arguments": {"code": "print('
               f'{a} {t.meta["op"]} {b}'
               ')"}}\n</tool_call>')
-      calls = offered and (lv in ("add2", "mul21") or (lv == "hard" and k < 5))
+      late = r.temperature > 0
+      calls = offered and ((lv == "add2" and not late) or lv == "mul21"
+                           or (lv == "hard" and k < 5))
       if "<tool_response>" in text:
         reply = str(t.answer)
       elif calls or (lv == "hard" and not offered):
         reply = call
-      elif lv == "easy" or (lv == "add1c" and k < 5):
+      elif lv == "easy" or (lv == "add1c" and k < 5) or (lv == "add2" and late and k < 5):
         reply = str(t.answer)
       else:
         reply = str(t.answer + 1)
@@ -147,9 +150,12 @@ class BinEngine:
 
 
 def test_calibration_per_level_matches_hand_count():
-  """The no-tool pass and the calibration figures (fr_jax/evaluate.py's docstring) of the
-  scripted agent above, counted by hand; the correlation from its definition: need
-  (0, .5, 1, 1, 1) against calls (0, 0, 1, 1, .5) is .75 / sqrt(.8 x 1.0)."""
+  """The direct and no-tool passes and the calibration figures (fr_jax/evaluate.py's
+  docstring) of the scripted agent above, counted by hand. Direct answers: easy and add1c
+  from the evaluation's own episodes, add2 from the first extra try (k = 2 right, k = 7
+  wrong), hard k = 9 from its own episode (wrong); mul21 and hard k = 4 always call. The
+  correlation from its definition: need (0, .5, .5, 1, 1) against calls (0, 0, 1, 1, .5) is
+  .5 / sqrt(.7 x 1.0)."""
   from fr_jax.envs.arithmetic import CONTINUUM
   tok = Tokenizer.byte_level()
   env = envs.make("tool_arithmetic", tool_cost=0.1, levels=CONTINUUM)
@@ -158,21 +164,36 @@ def test_calibration_per_level_matches_hand_count():
                engine=BinEngine(tok, env, 10), calibration=True)
   got = {lv: {k: (round(v, 12) if isinstance(v, float) else v) for k, v in row.items()}
          for lv, row in r["by_level"].items()}
-  row = lambda acc, calls, reward, bare, attempts, always, regret: dict(  # noqa: E731
+  row = lambda acc, calls, reward, direct, of, bare, attempts, never, always, regret: dict(  # noqa: E731
       n=2, accuracy=acc, tool_calls_per_trajectory=calls, reward=reward,
-      accuracy_no_tool=bare, tool_attempts_no_tool=attempts, reward_never=bare,
-      reward_always=always, regret=regret)
-  assert got == {"easy": row(1.0, 0.0, 1.0, 1.0, 0.0, None, 0.0),
-                 "add1c": row(0.5, 0.0, 0.5, 0.5, 0.0, None, 0.0),
-                 "add2": row(1.0, 1.0, 0.9, 0.0, 0.0, 0.9, 0.0),
-                 "mul21": row(1.0, 1.0, 0.9, 0.0, 0.0, 0.9, 0.0),
-                 "hard": row(0.5, 0.5, 0.45, 0.0, 1.0, 0.9, 0.45)}
+      accuracy_direct=direct, direct_resolved=of, accuracy_no_tool=bare,
+      tool_attempts_no_tool=attempts, reward_never=never, reward_always=always, regret=regret)
+  assert got == {"easy": row(1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 1.0, None, 0.0),
+                 "add1c": row(0.5, 0.0, 0.5, 0.5, 1.0, 0.5, 0.0, 0.5, None, 0.0),
+                 "add2": row(1.0, 1.0, 0.9, 0.5, 1.0, 0.0, 0.0, 0.5, 0.9, 0.0),
+                 "mul21": row(1.0, 1.0, 0.9, None, 0.0, 0.0, 0.0, 0.0, 0.9, 0.0),
+                 "hard": row(0.5, 0.5, 0.45, 0.0, 0.5, 0.0, 1.0, 0.0, 0.9, 0.45)}
   cal = r["calibration"]
-  assert abs(cal["need_vs_calls"] - 0.75 / 0.8 ** 0.5) < 1e-12
+  assert abs(cal["need_vs_calls"] - 0.5 / 0.7 ** 0.5) < 1e-12
   assert abs(cal["mean_regret"] - 0.09) < 1e-12 and cal["accuracy_no_tool"] == 0.3
   lines = calibration_table(r).splitlines()
-  assert lines[5].split() == ["hard", "2", "0.000", "0.500", "0.50", "0.450", "0.900", "0.450"]
-  assert lines[-1].endswith("correlation over levels: 0.839; mean regret 0.090")
+  assert lines[3].split()[:3] == ["add2", "2", "0.500"]
+  assert lines[4].split()[:4] == ["mul21", "2", "n/a", "0.00"]
+  assert lines[5].split() == ["hard", "2", "0.000", "0.50", "0.000", "0.500", "0.50", "0.450",
+                              "0.900", "0.450"]
+  assert lines[-1].endswith("correlation over levels: 0.598; mean regret 0.090")
+  # launch.train's before/after table: the accuracy of answering without calling in brackets
+  import contextlib
+  import io
+
+  from launch import train
+  err = io.StringIO()
+  with contextlib.redirect_stderr(err):
+    train._print_table(train._table({"after": r}), 10, "greedy")
+  head, cols, after = err.getvalue().splitlines()
+  assert head.endswith("(in brackets: accuracy answering without calling)")
+  assert after.split()[:7] == ["after", "0.800", "0.50", "1.000", "(1.00)", "0.00", "0.500"]
+  assert "1.000 (0.50)" in after and "0.500 (0.00)" in after
 
 
 def test_plot_run_with_levels_and_stages(tmp_path):

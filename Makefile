@@ -24,6 +24,7 @@ help:
 	@echo "               LORA=1: train LoRA adapters only (docs/lora.md)"
 	@echo "make demo-agent  SmolLM2 learns when to call the Python tool: SFT warm start, then"
 	@echo "               FlashREINFORCE, evaluated per difficulty (~21 min, CPU)"
+	@echo "               SEED=n: another seed; BINS=1: five difficulty bins, calibrated (issue 60)"
 	@echo "make test      install .venv and .venv-vllm if needed, lint, then run the fast test suite"
 	@echo "               (not marked slow; it starts real vLLM servers on this CPU; 20-30 min)"
 	@echo "make lint      ruff (pyproject.toml's rules) over the whole tree"
@@ -69,7 +70,9 @@ demo: $(STAMP)
 	  $(if $(SEED),--config.env.seed=$(SEED))
 
 demo-agent: $(STAMP)
-	$(VPY) -m launch.train --config=experiments/configs/cpu_agent.py --run_dir=$(AGENT_DIR)
+	$(VPY) -m launch.train --config=experiments/configs/$(if $(BINS),cpu_agent_bins,cpu_agent).py \
+	  --run_dir=$(if $(BINS),$(AGENT_DIR)_bins,$(AGENT_DIR)) \
+	  $(if $(SEED),--config.env.seed=$(SEED))
 
 # The suite starts real vLLM servers (tests/test_vllm.py), so it builds .venv-vllm first.
 # --max-worker-restart=0: a worker that dies fails the test it was running, by name, and the

@@ -31,6 +31,12 @@ DOCUMENTED = {
                   "fixed policy lag of 2": (lambda c: c.rollout.fixed_lag, 2),
                   # base evaluation, then every eval.every updates through the last
                   "three evaluations": (lambda c: 1 + c.max_updates // c.eval.every, 3)},
+    "cpu_agent_bins": {"40 updates of 16": (lambda c: (c.max_updates, c.batch_size), (40, 16)),
+                       "fixed lag of 2": (lambda c: c.rollout.fixed_lag, 2),
+                       "tool price 0.4": (lambda c: c.env.kwargs.tool_cost, 0.4),
+                       "five difficulty": (lambda c: len(c.env.kwargs.levels.split(",")), 5),
+                       "every stage evaluation is calibrated": (
+                           lambda c: c.eval.calibration, True)},
     "cpu_default": {"36 updates of B=32": (lambda c: (c.max_updates, c.batch_size), (36, 32)),
                     "lr 5e-6": (lambda c: c.optim.lr, 5e-6),
                     "5-update": (lambda c: round(c.optim.warmup_frac * c.max_updates), 5),
@@ -72,7 +78,8 @@ DOCUMENTED = {
                                                         c.rollout.inflight), (4, 16)),
                  "older than 8 are dropped": (lambda c: c.max_policy_lag, 8)},
 }
-SCHEDULE = {"alfworld_like": 200, "cpu_agent": 40, "cpu_default": 36, "cpu_lora": 36,
+SCHEDULE = {"alfworld_like": 200, "cpu_agent": 40, "cpu_agent_bins": 40, "cpu_default": 36,
+            "cpu_lora": 36,
             "qwen25_7b_tool": 600, "qwen25_7b_tool_lora": 600,
             "qwen25_math_1p5b": 2000, "r1_distill_1p5b_longcot": 6000, "tiny_test": 100,
             "gateway_smollm2": 2,

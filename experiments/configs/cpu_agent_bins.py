@@ -1,0 +1,26 @@
+"""cpu_agent_bins (`make demo-agent BINS=1`): `make demo-agent` on tool_arithmetic's five
+difficulty bins (issue 60), where when to call depends on the model's own skill.
+
+  make demo-agent BINS=1
+  python -m launch.train --config=experiments/configs/cpu_agent_bins.py --run_dir=runs/agent_bins
+
+Everything is cpu_agent's (SFT warm start that calls on half the items, then 40 updates of 16
+rollouts at a fixed lag of 2, tool price 0.4), but the task: items drawn from five bins in
+turn, easy (1 + 1 digits, sum below 10), add1c (1 + 1 with a carry), add2 (2 + 2 digits),
+mul21 (2 digits x 1) and hard (3 digits x 2), and every stage evaluation is calibrated
+(`eval.calibration`): per bin, the accuracy of answering without calling beside the tool
+calls, and how well calls follow need. After the warm start, answering without calling
+scored about 0.6 on the two sums and 0.15 or less on the rest (docs/agent_demo.md).
+
+Hardware: cpu_agent's (2 cores). Expected time: not yet measured; cpu_agent's 21 minutes
+plus the calibration passes (about 3 minutes an evaluation beside a demo run).
+"""
+
+from experiments.configs import cpu_agent
+
+
+def get_config():
+  c = cpu_agent.get_config()
+  c.env.kwargs.levels = "easy,add1c,add2,mul21,hard"
+  c.eval.calibration = True
+  return c

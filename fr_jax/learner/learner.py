@@ -367,7 +367,8 @@ class Learner:
     (`Publisher`). One process only; call between updates."""
     from fr_jax.transport import codec
     trainable, frozen = lora.split(self.state.params)
-    host = lambda tree: {k: np.asarray(a) for k, a in  # noqa: E731
+    # copies (np.array), never views of the state's buffers, which the next update donates
+    host = lambda tree: {k: np.array(a) for k, a in  # noqa: E731
                          codec.flatten(jax.device_get(tree)).items()}
     return host(trainable), host(frozen) if with_base else None
 

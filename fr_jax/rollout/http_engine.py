@@ -202,7 +202,8 @@ class ServerEngine:
   """What the engines that run as servers share: the `Engine` protocol's attributes, an
   `HTTPClient`, a pool of generate threads and the lock that keeps a weight update whole.
   Subclasses set `error` (their `EngineError`), `errors`, `api_key_env`, `prepare_weights`
-  (what a relay does to a version directory first, or None) and `reports_routing`.
+  (what a relay does to a version directory first, or None) and `reports_routing`, and
+  define `served_version` (the version label the server reports).
 
   LoRA. An engine with `loads_adapters` loads a LoRA run's versions as adapters (PEFT
   directories) beside the base weights: version v as adapter `adapter_name(v)`, which the
@@ -263,9 +264,6 @@ class ServerEngine:
     with self._lock:
       self.adapter, self.version = self.adapter_name(v), v
     return True
-
-  def served_version(self) -> int | None:
-    raise NotImplementedError
 
   def health(self) -> bool:
     return self.http.healthy()

@@ -137,11 +137,11 @@ class _Servicer:
 
   def GetWeights(self, request, context):
     if request.form:  # a LoRA run's version as base + adapters, or adapters alone
-      if request.form not in ("lora", "adapters"):
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                      f"form={request.form!r}: '', 'lora' or 'adapters'")
       pick = getattr(self.service, "lora_weights", None)
-      got = pick(request.min_version, request.form) if pick is not None else None
+      try:  # the form is checked by lora_weights alone
+        got = pick(request.min_version, request.form) if pick is not None else None
+      except ValueError as e:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
       if got is not None:
         v, flat = got
         yield from codec.weight_chunks(v, flat, hf_dir=self.service.hf_dir,

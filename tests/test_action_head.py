@@ -27,7 +27,9 @@ def test_action_head_equals_the_full_head(name):
   trajs = batches(1, B=8, seed=3, prompt_len=(30, 60), median_completion=12)[0]
   if model.config.is_moe:
     trajs = with_own_routing(trajs, model)
-  for loss in ("flash_reinforce", "grpo", "sft"):
+  # GRPO on the dense model only: the MoE's routes reach every loss the same way, and its
+  # GRPO case cost about 40 s of CI's (a third of this model's share).
+  for loss in ("flash_reinforce", "sft") + (() if model.config.is_moe else ("grpo",)):
     c = lcfg.ensure_valid(tiny_config(**{
         "model.name": name, "objective.loss": loss, "log.routing_counterfactual": True}))
     mc = compiling.learner_model_config(c, model.config)

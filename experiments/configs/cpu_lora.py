@@ -7,15 +7,15 @@ parameters against 135M); the engine runs the merged model (`fr_jax.models.lora`
   python -m launch.train --config=experiments/configs/cpu_lora.py --run_dir=runs/demo_lora
   python -m launch.export --checkpoint=runs/demo_lora --format=peft --out=/tmp/demo-adapter
 
-Hardware: cpu_default's (2 cores, about 14 GB of memory; less here: no AdamW moments or
-gradients for the 135M base weights). Expected time: not yet measured for this config; a
-LoRA update took 1.05-1.19x a full one on 2 cores (docs/lora.md), so about cpu_default's
-13-26 minutes or a little more.
+Hardware: 2 cores and about 10 GB of memory (peak RSS 9.1-9.3 GiB against cpu_default's
+12.9-13.7: no AdamW moments or gradients for the 135M base weights). Time: as cpu_default's,
+13-26 minutes (0.83-1.00x cpu_default's on the same seed, back to back: docs/lora.md).
+Held-out gain on seeds 0/1/2: +15.5 / +17.5 / +12.5 points, against cpu_default's +21.0 /
++16.5 / +17.5 in the same session; full fine-tuning learns more where memory allows.
 
 Everything else is cpu_default's (the same prompts, batches, evaluations and lag), but the
 learning rate: LoRA's best rate is about 10x full fine-tuning's (Schulman et al., "LoRA
-Without Regret", 2025, measured it for RL and SFT), so 5e-5 instead of 5e-6; untested here
-yet (issue 57's demo-quality runs will say what it gains).
+Without Regret", 2025, measured it for RL and SFT), so 5e-5 instead of 5e-6; not tuned here.
 """
 
 from experiments.configs import cpu_default

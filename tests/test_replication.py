@@ -233,11 +233,13 @@ def test_lag_study_drift_verdicts_and_paired_table():
   """Issue 56's drift criterion at its thresholds, and the report's lag 2 - lag 0 pairing."""
   from experiments.replication import lag_study as ls
 
-  def fake(seed, acc, trunc, first, last):
+  def fake(seed, acc, trunc, first, last, updates=24, at24=None):
     curve = [dict(version=v + 1, length=first if v < 8 else (last if v >= 16 else 30.0))
-             for v in range(24)]
+             for v in range(updates)]
+    evals = [dict(version=0, accuracy=0.17), dict(version=24, accuracy=at24 or acc)]
     return dict(seed=seed, start=dict(accuracy=0.17), end=dict(accuracy=acc,
-                truncation_rate=trunc), gain=dict(accuracy=acc - 0.17), curve=curve)
+                truncation_rate=trunc), gain=dict(accuracy=acc - 0.17), curve=curve,
+                evals=evals if updates == 24 or at24 else evals[:1])
 
   assert not ls.drift(fake(0, 0.3, 0.30, 30.0, 34.5))["drifted"]  # at both bounds exactly
   assert ls.drift(fake(0, 0.3, 0.31, 30.0, 20.0))["drifted"]  # truncation
@@ -251,6 +253,18 @@ def test_lag_study_drift_verdicts_and_paired_table():
   assert "| base_lag2 | 2 | 1 |" in md and "| base_lag0 | 2 | 0 |" in md
   diff = stats.paired([0.30, 0.20], [0.35, 0.34])  # -0.095, interval from the t table
   assert f"| base | 2 | {diff['mean']:+.3f} [{diff['lo']:+.3f}, {diff['hi']:+.3f}] |" in md
+  assert "at update" not in md  # 24-update runs: one pairing
+  # 36-update runs: paired at the end and at update 24 (from each run's evaluation there)
+  results = {"runs": {"base_36u_lag2": {"0": fake(0, 0.40, 0.1, 30, 25, 36, at24=0.30),
+                                        "1": fake(1, 0.36, 0.1, 30, 25, 36, at24=0.20)},
+                      "base_36u_lag0": {"0": fake(0, 0.38, 0.1, 30, 25, 36, at24=0.33),
+                                        "1": fake(1, 0.37, 0.1, 30, 25, 36, at24=0.29)}}}
+  md = ls.report(results)
+  end, at24 = stats.paired([0.40, 0.36], [0.38, 0.37]), stats.paired([0.30, 0.20], [0.33, 0.29])
+  assert f"| base_36u | 2 | {end['mean']:+.3f} [{end['lo']:+.3f}, {end['hi']:+.3f}] |" in md
+  assert (f"| base_36u, at update 24 | 2 | {at24['mean']:+.3f} [{at24['lo']:+.3f}, "
+          f"{at24['hi']:+.3f}] |") in md
+  assert "| base_36u_lag2 | 1 | 0.170 -> 0.360 | +0.190 | +0.030 |" in md
   assert ls.parse_seeds("0-3") == [0, 1, 2, 3] and ls.parse_seeds("2,5") == [2, 5]
 
 

@@ -12,9 +12,11 @@ A variant is the headline's FlashREINFORCE setting (`comparisons.HEAD`: `cpu_def
 first 24 updates of 32 rollouts of its 36-update schedule, greedy held-out accuracy on the
 demo's 200 problems at the start, update 12 and the end) with some config changes; `_lag2`
 runs it as `make demo` does (the asynchronous system, the worker at a fixed lag of 2),
-`_lag0` synchronously (`driver.rl_loop`). Runs are kept in --out/results.json by variant and
-seed, so an interrupted study resumes; --import_from takes the headline comparison's
-flash_async and flash_sync runs as base_lag2 and base_lag0 where their settings are equal.
+`_lag0` synchronously (`driver.rl_loop`); a `_36u` variant runs all 36 updates, as `make demo`
+does, and reports its held-out at update 24 beside the end. Runs are kept in
+--out/results.json by variant and seed, so an interrupted study resumes; --import_from takes
+the headline comparison's flash_async and flash_sync runs as base_lag2 and base_lag0 where
+their settings are equal.
 
 A run **drifts** (issue 56's criterion) when its held-out truncation ends above 0.3 or its
 training length rises: the mean over its last 8 updates above 1.15 x the mean over its first 8
@@ -77,6 +79,14 @@ VARIANTS: dict[str, LMSetting] = {
     # with the step-3 candidate
     **_pair("negGate", objective__trust="sequence_negative"),
     **_pair("constlen_lr1e5_negGate", objective__reduction="constant_length", optim__lr=1e-5,
+            objective__trust="sequence_negative"),
+    # Step 5: the demo's own length, all 36 updates of the schedule (held-out at 12, 24, 36;
+    # the first 24 updates are the 24-update variant's), for the base and the candidates
+    **_pair("base_36u", dict(updates=36, eval_every=12)),
+    **_pair("constlen_lr1e5_36u", dict(updates=36, eval_every=12),
+            objective__reduction="constant_length", optim__lr=1e-5),
+    **_pair("constlen_lr1e5_negGate_36u", dict(updates=36, eval_every=12),
+            objective__reduction="constant_length", optim__lr=1e-5,
             objective__trust="sequence_negative"),
     # B = 64 at the same 768 rollouts: 12 updates of an 18-update schedule (the same share)
     **_pair("b64", dict(batch_size=64, updates=12, schedule=18, eval_every=6),
@@ -152,6 +162,14 @@ def run_all(results: dict, variants: list[str], seeds: list[int], path: Path):
            f"{' DRIFTED' if d['drifted'] else ''} ({time.perf_counter() - t0:.0f}s)")
 
 
+HEADLINE_AT = 24  # the headline's budget: 36-update runs also report their held-out here
+
+
+def at_update(r: dict, version: int = HEADLINE_AT) -> float | None:
+  """A run's held-out accuracy after `version` updates (its evaluation there), or None."""
+  return next((e["accuracy"] for e in r.get("evals", ()) if e["version"] == version), None)
+
+
 def _ci(x: dict, nd: int = 3) -> str:
   return f"{x['mean']:+.{nd}f} [{x['lo']:+.{nd}f}, {x['hi']:+.{nd}f}]"
 
@@ -163,8 +181,8 @@ def report(results: dict) -> str:
          f"Drift: held-out truncation at the end > {TRUNCATION_DRIFT}, or the training length's "
          f"mean over the last 8 updates > {LENGTH_RISE} x that over the first 8. Held-out: "
          "greedy accuracy on the demo's 200 problems.", "",
-         "| variant | seed | held-out start -> end | gain | truncation end | length first 8 "
-         "-> last 8 | drifted | CPU |", "|---|---|---|---|---|---|---|---|"]
+         f"| variant | seed | held-out start -> end | gain | gain at {HEADLINE_AT} | truncation "
+         "end | length first 8 -> last 8 | drifted | CPU |", "|---" * 9 + "|"]
   summary = ["", "| variant | seeds | drifted | gain mean [95% CI] | lowest gain | "
              "held-out end mean |", "|---|---|---|---|---|---|"]
   for v in VARIANTS:
@@ -173,9 +191,10 @@ def report(results: dict) -> str:
       continue
     rs = [runs[k] for k in sorted(runs, key=int)]
     for r in rs:
-      d = drift(r)
+      d, a24 = drift(r), at_update(r)
+      g24 = "-" if a24 is None else f"{a24 - r['start']['accuracy']:+.3f}"
       out.append(f"| {v} | {r['seed']} | {r['start']['accuracy']:.3f} -> "
-                 f"{r['end']['accuracy']:.3f} | {r['gain']['accuracy']:+.3f} | "
+                 f"{r['end']['accuracy']:.3f} | {r['gain']['accuracy']:+.3f} | {g24} | "
                  f"{d['truncation_end']:.3f} | {d['length_first8']:.1f} -> "
                  f"{d['length_last8']:.1f} | {'yes' if d['drifted'] else 'no'} | "
                  f"{r.get('cpu', '?')} |")
@@ -194,6 +213,9 @@ def report(results: dict) -> str:
       d = stats.paired([a[k]["end"]["accuracy"] for k in common],
                        [b[k]["end"]["accuracy"] for k in common])
       paired.append(f"| {v[:-5]} | {len(common)} | {_ci(d)} |")
+      if all(a[k]["curve"][-1]["version"] > HEADLINE_AT for k in common):
+        d = stats.paired([at_update(a[k]) for k in common], [at_update(b[k]) for k in common])
+        paired.append(f"| {v[:-5]}, at update {HEADLINE_AT} | {len(common)} | {_ci(d)} |")
   return "\n".join(out + summary + paired) + "\n"
 
 

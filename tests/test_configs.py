@@ -38,13 +38,17 @@ DOCUMENTED = {
                        "every stage evaluation is calibrated": (
                            lambda c: c.eval.calibration, True)},
     "cpu_default": {"36 updates of B=32": (lambda c: (c.max_updates, c.batch_size), (36, 32)),
-                    "lr 5e-6": (lambda c: c.optim.lr, 5e-6),
+                    "lr 1e-5": (lambda c: c.optim.lr, 1e-5),
+                    "the `constant_length` reduction": (
+                        lambda c: c.objective.reduction, "constant_length"),
                     "5-update": (lambda c: round(c.optim.warmup_frac * c.max_updates), 5),
                     "200 test problems": (lambda c: c.eval.n, 200),
                     "first 64 every 9": (lambda c: (c.eval.every_n, c.eval.every), (64, 9))},
     "cpu_lora": {"rank-16 adapters (alpha 32": (
                      lambda c: (c.model.lora.rank, c.model.lora.alpha), (16, 32.0)),
-                 "so 5e-5 instead of 5e-6": (lambda c: c.optim.lr, 5e-5)},
+                 "so 5e-5 against the 5e-6": (lambda c: c.optim.lr, 5e-5),
+                 "The reduction stays sample_mean": (
+                     lambda c: c.objective.reduction, "sample_mean")},
     "qwen25_7b_tool": {"600 steps": (lambda c: c.max_updates, 600),
                        "8+ GPUs for the learner (fsdp)": (lambda c: c.mesh.fsdp >= 8, True)},
     "qwen25_7b_tool_lora": {"rank-16 adapters (alpha 32)": (
@@ -117,8 +121,8 @@ def test_paper_recipe_numbers():
 
 
 @pytest.mark.parametrize("field,value,error", [
-    ("objective.reduction", "token_mean", None), ("objective.reduction", "constant_length", None),
-    ("objective.length_norm", -1.0, None),  # unused unless reduction=constant_length
+    ("objective.reduction", "token_mean", None), ("objective.reduction", "sample_mean", None),
+    ("objective.length_norm", -1.0, "objective.length_norm > 0"),  # the demo's constant_length
     ("objective.trust", "token", None),
     ("objective.trust", "none", None), ("objective.advantage", "positive_only", None),
     ("objective.delta", math.inf, None), ("minibatches", 4, None), ("objective.loss", "grpo", None),
@@ -135,13 +139,19 @@ def test_ablations_are_one_field(field, value, error):
   else:
     with pytest.raises(rcfg.ConfigError, match=error):
       rcfg.validate(c)
-  if value == "constant_length":  # L defaults to the longest reply a turn may sample
-    assert c.objective.length_norm == c.agent.max_new_tokens == 64
+  if field == "objective.reduction":  # the demo's constant_length: L is the longest reply
+    assert c.objective.length_norm == (c.agent.max_new_tokens if value == "constant_length"
+                                       else 0.0)
 
 
-def test_constant_length_needs_a_positive_length():
+def test_constant_length_needs_a_positive_length_and_only_it():
   c = importlib.import_module("experiments.configs.cpu_default").get_config()
-  c.update_from_flattened_dict({"objective.reduction": "constant_length",
-                                "objective.length_norm": -2.0})
+  assert c.objective.reduction == "constant_length"
+  rcfg.validate(c)
+  assert c.objective.length_norm == c.agent.max_new_tokens == 64  # derived: 0 means L = 64
+  c = importlib.import_module("experiments.configs.cpu_default").get_config()
+  c.objective.length_norm = -2.0
   with pytest.raises(rcfg.ConfigError, match="objective.length_norm > 0"):
     rcfg.validate(c)
+  c.objective.reduction = "sample_mean"  # unused there
+  rcfg.validate(c)

@@ -147,8 +147,9 @@ HEAD = dict(config="cpu_default", updates=HEADLINE_UPDATES, schedule=36, batch_s
 COMPARISONS["headline_lm"] = Comparison(
     "headline_lm", "The headline on SmolLM2-135M: FlashREINFORCE (asynchronous and "
     "synchronous) vs GRPO (G=8) at an equal rollout budget",
-    f"`make demo`'s task and recipe (arithmetic, cpu_default: the base model, lr 5e-6 after "
-    f"a 5-update warm-up), its first {HEADLINE_UPDATES} updates of 32 rollouts for every arm; "
+    f"`make demo`'s task and recipe (arithmetic, cpu_default: the base model, constant_length "
+    f"at lr 1e-5 after a 5-update warm-up; sample_mean at 5e-6 in runs recorded with those "
+    f"overrides), its first {HEADLINE_UPDATES} updates of 32 rollouts for every arm; "
     f"held-out greedy accuracy on the demo's 200 problems",
     "Qwen2.5-Math-1.5B: 38.0 with 256k rollouts vs GRPO 36.3 with 512k; tool use 37.0 vs 30.3 "
     "(GRPO G=8); Qwen3-30B-A3B: 67.1 at lag ~8 vs GRPO 60.3 at lag ~1, same rollouts",

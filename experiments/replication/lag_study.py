@@ -53,19 +53,26 @@ LENGTH_RISE = 1.15
 TRUNCATION_DRIFT = 0.3
 
 
+# The demo's recipe when the study began (`cpu_default` before issue 56 changed it), pinned in
+# every variant so that a variant keeps the settings its runs were made with, whatever
+# `cpu_default` says today (a change to the config would otherwise not show in the record).
+STUDY_BASE = dict(objective__reduction="sample_mean", optim__lr=5e-6)
+
+
 def _pair(name: str, setting: dict | None = None, **over) -> dict:
   """`name`_lag2 (the system at a fixed lag of 2, as `make demo`) and `name`_lag0
-  (synchronous), both with the config changes `over` (dotted keys, `__` for `.`) and the
-  setting's changes `setting` (LMSetting fields)."""
-  o = tuple(sorted((k.replace("__", "."), v) for k, v in over.items()))
+  (synchronous), both with the config changes `over` (dotted keys, `__` for `.`, on top of
+  STUDY_BASE) and the setting's changes `setting` (LMSetting fields)."""
+  o = tuple(sorted((k.replace("__", "."), v) for k, v in {**STUDY_BASE, **over}.items()))
   head = {**HEAD, **(setting or {})}
   return {f"{name}_lag2": LMSetting(**head, system=True, lag=2, overrides=o),
           f"{name}_lag0": LMSetting(**head, overrides=o)}
 
 
-# Issue 56, step 3: the paper's own knobs, one at a time against today's demo settings.
+# Issue 56, step 3: the paper's own knobs, one at a time against the demo's settings then
+# (STUDY_BASE); constlen_lr1e5 is `make demo`'s recipe since step 5.
 VARIANTS: dict[str, LMSetting] = {
-    **_pair("base"),  # today's demo settings: temperature 0.6, delta 3e-3, lr 5e-6, 5 warm-up
+    **_pair("base"),  # the demo's settings then: temperature 0.6, delta 3e-3, lr 5e-6, 5 warm-up
     **_pair("temp1", objective__temperature=1.0),  # the paper's sampling temperature
     **_pair("delta5e3", objective__delta=5e-3),  # the paper's long-CoT bound
     **_pair("delta1e2", objective__delta=1e-2),  # the paper's MoE bound
@@ -125,7 +132,7 @@ def _import(results: dict, path: Path):
   src = json.loads(path.read_text())["comparisons"].get("headline_lm", {})
   for variant, arm in IMPORTED.items():
     want = settings(VARIANTS[variant])
-    have = dict(src.get("settings", {}).get(arm, {}), overrides=[])
+    have = {"overrides": [], **src.get("settings", {}).get(arm, {})}
     if have != want:
       _say(f"--import_from: {arm}'s settings differ from {variant}'s; not imported")
       continue

@@ -270,7 +270,9 @@ def test_lag_study_drift_verdicts_and_paired_table():
 
 def test_runner_rejects_bad_flags_with_a_clear_message(tmp_path):
   for args, msg in ((["--only=nope"], "unknown comparison 'nope'"),
-                    (["--only=fast", "--seeds=1"], "--seeds=1")):
+                    (["--only=fast", "--seeds=1"], "--seeds=1"),
+                    (["--only=headline_lm", "--flash_from=/nope.json"],
+                     "--flash_from=/nope.json: no such file")):
     out = subprocess.run([sys.executable, "-m", "experiments.replication.run", *args,
                           f"--out={tmp_path}"], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and msg in out.stderr, out.stderr[-2000:]
@@ -316,3 +318,51 @@ def test_make_demo_is_the_lag_studys_candidate_and_its_base_is_pinned():
       "log.peak_flops"}
   base = VARIANTS["base_lag2"].run_config(3)
   assert (base.objective.reduction, base.optim.lr) == ("sample_mean", 5e-6)
+
+
+def test_headline_arms_read_off_the_demo_recipes_longer_runs():
+  """`run.py --flash_from`: a 36-update lag-study run of make demo's recipe gives the
+  headline arm its first 24 updates and its held-out evaluation at 24; a variant that is not
+  the arm's recipe is refused by name; a figure an imported run lacks reads n/a."""
+  import dataclasses
+
+  from experiments.replication import lag_study as ls
+  from experiments.replication import run as runner
+
+  def fake(seed, sync):
+    curve = [dict(version=v, reward=0.1 * v, acceptance=1.0, entropy=0.5, length=20.0,
+                  truncation=0.0, rollouts=32 * v, wall_s=10.0 * v) for v in range(1, 37)]
+    ev = [dict(version=v, rollouts=32 * v, wall_s=10.0 * v, accuracy=0.17 + v / 200,
+               response_length=30 - v / 2, truncation_rate=0.01 * v) for v in (0, 12, 24, 36)]
+    return dict(seed=seed, warm_start={}, start={"accuracy": 0.17}, end=ev[-1], evals=ev,
+                curve=curve, cpu="test", settings=ls.settings(ls.VARIANTS[
+                    f"{ls.DEMO_VARIANT}_lag{0 if sync else 2}"]))
+
+  c = comps.get("headline_lm")
+  results = {"runs": {f"{ls.DEMO_VARIANT}_lag2": {"0": fake(0, False), "1": fake(1, False)},
+                      f"{ls.DEMO_VARIANT}_lag0": {"1": fake(1, True)}}}
+  got = ls.headline_runs(results, c.arms, "study.json")
+  a = got["flash_async"][1]
+  assert [r["seed"] for r in got["flash_async"]] == [0, 1]
+  assert [r["seed"] for r in got["flash_sync"]] == [1]
+  assert len(a["curve"]) == 24 and a["curve"][-1]["version"] == 24
+  assert a["end"] == dict(accuracy=0.17 + 24 / 200, response_length=18.0, truncation_rate=0.24)
+  assert math.isclose(a["gain"]["accuracy"], 24 / 200)
+  assert [e["version"] for e in a["evals"]] == [0, 12, 24]
+  assert a["train_wall_s"] == a["wall_s"] == 240.0 and a["prompts_covered"] == 32 * 24
+  assert got["flash_sync"][0]["prompts_covered"] is None
+  assert a["imported_from"] == "study.json:constlen_lr1e5_36u_lag2:1, its first 24 updates"
+
+  other = dict(c.arms, flash_sync=dataclasses.replace(
+      c.arms["flash_sync"], overrides=(("optim.lr", 2e-5),)))
+  with pytest.raises(ValueError, match=r"optim\.lr"):
+    ls.headline_runs(results, other, "study.json")
+
+  rec = runner.comparison_record(c, 1, dict(got, grpo_g8=[
+      dict(got["flash_sync"][0], prompts_covered=95)]))
+  rec["summary"] = runner.summarise(c, dict(rec, runs={k: v[:1] for k, v in rec["runs"].items()}))
+  s = rec["summary"]["arms"]
+  assert "prompts_covered" not in s["flash_sync"] and s["grpo_g8"]["prompts_covered"]["mean"] == 95
+  row = next(line for line in runner.markdown({"comparisons": {"headline_lm": rec}}).splitlines()
+             if line.startswith("| flash_sync |"))
+  assert "| n/a |" in row

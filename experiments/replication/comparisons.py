@@ -208,7 +208,7 @@ def metric(result: dict, path: str) -> float | None:
     return collapse_update(curve)
   if key:
     return float(result[head][key])
-  return float(result[head])
+  return None if result[head] is None else float(result[head])
 
 
 def at_time(result: dict, seconds: float, key: str = "accuracy") -> float:

@@ -177,6 +177,64 @@ def at_update(r: dict, version: int = HEADLINE_AT) -> float | None:
   return next((e["accuracy"] for e in r.get("evals", ()) if e["version"] == version), None)
 
 
+# `make demo`'s recipe since issue 56's step 5, and the headline arms its 36-update runs give.
+DEMO_VARIANT = "constlen_lr1e5_36u"
+HEADLINE_ARMS = {"flash_async": f"{DEMO_VARIANT}_lag2", "flash_sync": f"{DEMO_VARIANT}_lag0"}
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+  out = {}
+  for k, v in d.items():
+    out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
+  return out
+
+
+def headline_run(r: dict, s: LMSetting, upto: int = HEADLINE_AT) -> dict:
+  """A longer run of the headline arm `s`'s recipe, as that arm's `upto`-update run: its
+  first `upto` updates and its held-out evaluation there. It is the same computation: on the
+  same schedule (`s.schedule`) and seed, a run trains on the same batches with the same
+  weights whatever its length (the 36-update run of seed 3 against the 24-update one: every
+  curve figure and the held-out accuracy at 24 equal). Its training seconds are its own up to
+  that update (wall_s too: the evaluations after are not counted); `prompts_covered` is
+  B x `upto` for the asynchronous system (the trajectories its learner used) and unknown
+  (None) for the synchronous driver, which counts distinct prompts and did not record them
+  per update."""
+  ev = next((e for e in r["evals"] if e["version"] == upto), None)
+  if ev is None or r["curve"][-1]["version"] < upto:
+    raise ValueError(f"seed {r['seed']}: no held-out evaluation at update {upto}")
+  curve = [p for p in r["curve"] if p["version"] <= upto]
+  end = {k: v for k, v in ev.items() if k not in ("version", "rollouts", "wall_s")}
+  return dict(seed=r["seed"], warm_start=r["warm_start"], start=r["start"], end=end,
+              gain={"accuracy": end["accuracy"] - r["start"]["accuracy"]},
+              evals=[e for e in r["evals"] if e["version"] <= upto], curve=curve,
+              prompts_covered=s.batch_size * upto if s.system else None,
+              rollouts=curve[-1]["rollouts"], train_wall_s=curve[-1]["wall_s"],
+              wall_s=curve[-1]["wall_s"], cpu=r.get("cpu"))
+
+
+def headline_runs(results: dict, arms: dict[str, LMSetting], source: str = "") -> dict:
+  """The headline's FlashREINFORCE arms (`arms`: name -> setting) read off this study's
+  DEMO_VARIANT runs, for the seeds it has. Each variant must be its arm in every config field
+  but the number of updates, or this raises: a changed `cpu_default` or HEAD is caught here."""
+  out = {}
+  for arm, v in HEADLINE_ARMS.items():
+    s, mine = arms[arm], VARIANTS[v]
+    a, b = _flat(s.run_config(0).to_dict()), _flat(mine.run_config(0).to_dict())
+    diff = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k) and k != "max_updates")
+    same = ("system", "lag", "batch_size", "eval_every", "eval_n", "loss", "group_size")
+    if diff or any(getattr(s, f) != getattr(mine, f) for f in same):
+      raise ValueError(f"{v} is not the headline's {arm} run for longer: {diff or 'setting'}")
+    if s.schedule != mine.updates or mine.updates < s.updates:
+      raise ValueError(f"{v}: {mine.updates} updates, the headline's schedule {s.schedule}")
+    out[arm] = []
+    for seed, r in sorted(results["runs"].get(v, {}).items(), key=lambda kv: int(kv[0])):
+      if r["settings"] != settings(mine):
+        raise ValueError(f"{v} seed {seed}: recorded with other settings than today's {v}")
+      out[arm].append(dict(headline_run(r, s, s.updates),
+                           imported_from=f"{source}:{v}:{seed}, its first {s.updates} updates"))
+  return out
+
+
 def _ci(x: dict, nd: int = 3) -> str:
   return f"{x['mean']:+.{nd}f} [{x['lo']:+.{nd}f}, {x['hi']:+.{nd}f}]"
 

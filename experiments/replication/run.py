@@ -43,6 +43,10 @@ flags.DEFINE_integer("seeds", 5, "seeds per arm (>= 2 for intervals)")
 flags.DEFINE_string("out", "runs/replication", "output directory")
 flags.DEFINE_bool("rerun", False, "run comparisons again even if results.json has them")
 flags.DEFINE_bool("plots", True, "write <comparison>.png")
+flags.DEFINE_string("flash_from", "", "headline_lm: a lag study's results.json; its "
+                    "constlen_lr1e5_36u runs (make demo's recipe, 36 updates) give the "
+                    "FlashREINFORCE arms' runs (their first 24 updates), so --arms=grpo_g8 "
+                    "completes the comparison")
 flags.DEFINE_list("arms", [], "run only these arms (default: all); the comparison stays "
                   "unfinished in results.json, its runs kept, until every arm has its seeds")
 F = flags.FLAGS
@@ -96,6 +100,26 @@ def comparison_record(c: comps.Comparison, seeds: int, runs: dict) -> dict:
   return dict(settings=settings_json(c), seeds=seeds, runs=runs, wall_s=round(wall, 1))
 
 
+def _with_flash_from(c: comps.Comparison, old: dict | None, path: Path) -> dict:
+  """The headline's record with the FlashREINFORCE arms' runs read off a lag study
+  (`lag_study.headline_runs`) added to the runs it keeps (seeds it has already stay)."""
+  from experiments.replication import lag_study
+  if not path.is_file():
+    raise app.UsageError(f"--flash_from={path}: no such file")
+  try:
+    got = lag_study.headline_runs(json.loads(path.read_text()), c.arms, str(path))
+  except ValueError as e:
+    raise app.UsageError(f"--flash_from={path}: {e}") from None
+  have = old["runs"] if old and old["settings"] == settings_json(c) else {}
+  runs = {arm: list(have.get(arm, [])) for arm in c.arms}
+  for arm, rs in got.items():
+    seen = {r["seed"] for r in runs[arm]}
+    runs[arm] += [r for r in rs if r["seed"] not in seen]
+    _say(f"[{c.name}] {arm}: seeds {sorted(r['seed'] for r in runs[arm])} ({len(rs)} in "
+         f"{path})")
+  return comparison_record(c, -1, runs)
+
+
 def _seed(r: dict) -> int:
   return r["seed"]
 
@@ -103,8 +127,11 @@ def _seed(r: dict) -> int:
 def summarise(c: comps.Comparison, res: dict) -> dict:
   """Per-arm means with intervals, and each claim's paired difference and verdict."""
   runs = res["runs"]
-  arms = {arm: {m: stats.mean_ci([comps.metric(r, m) for r in rs]) for m in c.metrics}
-          for arm, rs in runs.items()}
+  arms = {}
+  for arm, rs in runs.items():  # a figure a run did not record (None) is left out
+    values = {m: [v for v in (comps.metric(r, m) for r in rs) if v is not None]
+              for m in c.metrics}
+    arms[arm] = {m: stats.mean_ci(x) for m, x in values.items() if x}
   for arm, rs in runs.items():
     arms[arm]["start.accuracy"] = stats.mean_ci([r["start"]["accuracy"] for r in rs])
   claims = []
@@ -144,7 +171,8 @@ def markdown(results: dict) -> str:
     out.append("| arm | " + " | ".join(cols) + " |")
     out.append("|---" * (len(cols) + 1) + "|")
     for arm, ms in s["arms"].items():
-      out.append(f"| {arm} | " + " | ".join(_fmt(ms[m], m) for m in cols) + " |")
+      out.append(f"| {arm} | " + " | ".join(_fmt(ms[m], m) if m in ms else "n/a"
+                                             for m in cols) + " |")
     out.append("")
     if s["claims"]:
       out += ["| claim (paper) | difference [95% CI] | verdict |", "|---|---|---|"]
@@ -241,6 +269,8 @@ def main(argv):
   for n in names:
     c = comps.get(n)
     old = results["comparisons"].get(n)
+    if F.flash_from and n == "headline_lm":
+      old = _with_flash_from(c, old, Path(F.flash_from))
     if (old and not F.rerun and old["seeds"] == F.seeds
         and old["settings"] == settings_json(c)):
       _say(f"[{n}] runs kept from {path} (--rerun to run again)")

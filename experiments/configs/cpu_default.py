@@ -11,8 +11,8 @@ downloaded. Expected time: 13-26 minutes on 2 cores, alone, depending on the CPU
 machine's day, plus about 2 for the first install (docs/times.md): 36 updates of B=32 and
 the evaluations. Held-out accuracy (greedy) on all 200 test problems at the start and the
 end, and on the first 64 every 9 updates (the plot's curve and the progress line). Measured
-(the lag study's runs of this recipe, docs/replication.md): 0.17 -> 0.345-0.385 on seeds 2-5,
-+17.5 to +21.5 points, none drifting into long replies.
+(the lag study's runs of this recipe, docs/replication.md): 0.17 -> 0.315-0.385 on seeds 0-7,
++14.5 to +21.5 points (mean +19.2), none drifting into long replies.
 
 Settings (docs/demo.md says why): 36 updates of 32 trajectories at lr 1e-5 after a 5-update
 linear warm-up, constant after it, with the `constant_length` reduction (the reference code's

@@ -301,19 +301,13 @@ def test_make_demo_is_the_lag_studys_candidate_and_its_base_is_pinned():
   The study's base stays the recipe it measured (sample_mean, lr 5e-6) whatever cpu_default
   says now."""
   from experiments.configs import cpu_default
-  from experiments.replication.lag_study import VARIANTS
+  from experiments.replication.lag_study import VARIANTS, config_fields
   from fr_jax import config as rcfg
-
-  def flat(d, prefix=""):
-    out = {}
-    for k, v in d.items():
-      out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
-    return out
 
   demo = cpu_default.get_config()
   demo.env.seed = 3
-  demo = flat(rcfg.validate(demo).to_dict())
-  study = flat(VARIANTS["constlen_lr1e5_36u_lag2"].run_config(3).to_dict())
+  demo = config_fields(rcfg.validate(demo))
+  study = config_fields(VARIANTS["constlen_lr1e5_36u_lag2"].run_config(3))
   assert {k for k in demo.keys() | study.keys() if demo.get(k) != study.get(k)} == {
       "log.peak_flops"}
   base = VARIANTS["base_lag2"].run_config(3)

@@ -182,11 +182,10 @@ DEMO_VARIANT = "constlen_lr1e5_36u"
 HEADLINE_ARMS = {"flash_async": f"{DEMO_VARIANT}_lag2", "flash_sync": f"{DEMO_VARIANT}_lag0"}
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
-  out = {}
-  for k, v in d.items():
-    out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
-  return out
+def config_fields(c) -> dict:
+  """A run config's fields by dotted name."""
+  from flax import traverse_util
+  return traverse_util.flatten_dict(c.to_dict(), sep=".")
 
 
 def headline_run(r: dict, s: LMSetting, upto: int = HEADLINE_AT) -> dict:
@@ -219,7 +218,7 @@ def headline_runs(results: dict, arms: dict[str, LMSetting], source: str = "") -
   out = {}
   for arm, v in HEADLINE_ARMS.items():
     s, mine = arms[arm], VARIANTS[v]
-    a, b = _flat(s.run_config(0).to_dict()), _flat(mine.run_config(0).to_dict())
+    a, b = config_fields(s.run_config(0)), config_fields(mine.run_config(0))
     diff = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k) and k != "max_updates")
     same = ("system", "lag", "batch_size", "eval_every", "eval_n", "loss", "group_size")
     if diff or any(getattr(s, f) != getattr(mine, f) for f in same):

@@ -166,6 +166,38 @@ def _calibrate(out, env, tasks, loop, cfg, engine, tokenizer, scores, calls, see
                             accuracy_direct=float(resolved.mean()) if len(resolved) else None,
                             direct_resolved=len(resolved) / n,
                             accuracy_no_tool=float(bare_scores.mean()))
+  out["calibration"]["targets"] = calibration_targets(out)
+
+
+# What an agent that knows its limits does (issue 60), by what answering without calling
+# scores per level (`reward_never`: the direct accuracy): it calls on `call_need` or more of
+# the items of every level below `need`, on `call_skilled` or fewer of every level above
+# `skilled`, and is right on `accuracy` or more of all items.
+TARGETS = dict(need=0.5, call_need=0.8, skilled=0.9, call_skilled=0.3, accuracy=0.9)
+
+
+def calibration_targets(result: dict, **targets) -> dict:
+  """A calibrated result (`evaluate(..., calibration=True)`) against `TARGETS` (or the
+  values given): `need_levels` and `skilled_levels`, the levels each rule applies to;
+  `misses`, one readable line per rule broken; `met`, no misses. Levels between the two
+  thresholds are free: there the two fixed policies are close at any sensible price. The
+  accuracy is over every sample (avg@k where the evaluation drew k)."""
+  t = {**TARGETS, **targets}
+  needs, skilled, misses = [], [], []
+  for lv, x in result["by_level"].items():
+    skill, calls = x["reward_never"], x["tool_calls_per_trajectory"]
+    if skill < t["need"]:
+      needs.append(lv)
+      if calls < t["call_need"]:
+        misses.append(f"{lv} (alone {skill:.2f}): calls {calls:.2f} < {t['call_need']:g}")
+    elif skill > t["skilled"]:
+      skilled.append(lv)
+      if calls > t["call_skilled"]:
+        misses.append(f"{lv} (alone {skill:.2f}): calls {calls:.2f} > {t['call_skilled']:g}")
+  acc = result.get(f"avg@{result.get('samples', 1)}", result["accuracy"])  # every sample
+  if acc < t["accuracy"]:
+    misses.append(f"accuracy {acc:.3f} < {t['accuracy']:g}")
+  return dict(met=not misses, need_levels=needs, skilled_levels=skilled, misses=misses, **t)
 
 
 def table(result: dict) -> str:
@@ -194,4 +226,14 @@ def calibration_table(result: dict) -> str:
   corr = "n/a" if cal["need_vs_calls"] is None else f"{cal['need_vs_calls']:.3f}"
   lines.append(f"tool calls against need (1 - never-calling reward), correlation over levels: "
                f"{corr}; mean regret {cal['mean_regret']:.3f}")
+  lines.append(targets_line(calibration_targets(result)))
   return "\n".join(lines)
+
+
+def targets_line(t: dict) -> str:
+  """`calibration_targets`' verdict in one line."""
+  rule = (f"calls >= {t['call_need']:g} where alone < {t['need']:g} "
+          f"({', '.join(t['need_levels']) or 'none'}), <= {t['call_skilled']:g} where alone > "
+          f"{t['skilled']:g} ({', '.join(t['skilled_levels']) or 'none'}), "
+          f"accuracy >= {t['accuracy']:g}")
+  return f"targets ({rule}): " + ("met" if t["met"] else "missed: " + "; ".join(t["misses"]))

@@ -31,7 +31,7 @@ from launch import common
 
 def _evaluate(c, model, params, label, n, calibration=False):
   from fr_jax import envs, system
-  from fr_jax.evaluate import evaluate
+  from fr_jax.evaluate import evaluate, targets_line
   env = envs.make(c.env.name, **c.env.kwargs.to_dict())
   t = c.eval.temperature
   print(f"evaluating {label}: {n} held-out {c.env.name} tasks, "
@@ -56,6 +56,7 @@ def _evaluate(c, model, params, label, n, calibration=False):
           f"reward), correlation over levels {corr}; "
           f"mean regret against the best fixed policy per level {cal['mean_regret']:.3f}",
           file=sys.stderr, flush=True)
+    print(f"  {label}, {targets_line(cal['targets'])}", file=sys.stderr, flush=True)
   return r
 
 
@@ -221,6 +222,11 @@ def main(argv):
                    heldout_n=c.eval.n, heldout_tool_calls_end=ev_end["tool_calls_per_trajectory"],
                    heldout_table=_table(stages))
     _print_table(summary["heldout_table"], c.eval.n, ev_end["decoding"])
+    if "calibration" in ev_end:  # where it calls against what it knows, and the targets
+      from fr_jax.evaluate import calibration_table
+      print(f"after RL, per difficulty:\n{calibration_table(ev_end)}", file=sys.stderr,
+            flush=True)
+      summary["calibration_end"] = ev_end["calibration"]
   if warm is not None:
     summary["sft"] = {k: warm[k] for k in ("steps", "examples", "loss_first", "loss_last",
                                            "export", "wall_s")}

@@ -4,7 +4,7 @@ the engine), and the run plot."""
 import json
 
 from fr_jax import envs
-from fr_jax.evaluate import calibration_table, evaluate
+from fr_jax.evaluate import calibration_table, calibration_targets, evaluate
 from fr_jax.models.tokenizer import Tokenizer
 from fr_jax.plots import panel_names, plot_run, slice_curve
 from fr_jax.rollout.agent import AgentConfig
@@ -181,7 +181,15 @@ def test_calibration_per_level_matches_hand_count():
   assert lines[4].split()[:4] == ["mul21", "2", "n/a", "0.00"]
   assert lines[5].split() == ["hard", "2", "0.000", "0.50", "0.000", "0.500", "0.50", "0.450",
                               "0.900", "0.450"]
-  assert lines[-1].endswith("correlation over levels: 0.598; mean regret 0.090")
+  assert lines[-2].endswith("correlation over levels: 0.598; mean regret 0.090")
+  # issue 60's targets: alone, mul21 and hard score 0 (< 0.5: must call on 0.8), easy 1.0
+  # (> 0.9: at most 0.3); add1c and add2 (0.5) are free. hard calls on 0.5; 8 of 10 right.
+  t = cal["targets"]
+  assert (t["need_levels"], t["skilled_levels"], t["met"]) == (["mul21", "hard"], ["easy"], False)
+  assert t["misses"] == ["hard (alone 0.00): calls 0.50 < 0.8", "accuracy 0.800 < 0.9"]
+  assert lines[-1].endswith("missed: hard (alone 0.00): calls 0.50 < 0.8; accuracy 0.800 < 0.9")
+  loose = calibration_targets(r, call_need=0.5, accuracy=0.8)
+  assert loose["met"] and loose["misses"] == [] and lines[-1].startswith("targets (calls >= 0.8")
   # launch.train's before/after table: the accuracy of answering without calling in brackets
   import contextlib
   import io

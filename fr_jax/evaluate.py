@@ -11,7 +11,7 @@ the env's tool charges, if it prices its tool). Envs whose tasks carry a `level`
 also get `by_level`: accuracy, tool calls and reward per difficulty.
 
 Calibration (`calibration=True`, issue 60): does the agent call its tool where it would fail
-without it? Two measures of what the model knows by itself, per level in `by_level`:
+without it? Three measures of what the model knows by itself, per level in `by_level`:
 * `accuracy_direct`, in the agent's own context (the tool offered): each task's answer when
   the agent answers without calling, from the first such episode among the evaluation's
   samples and then up to `DIRECT_TRIES` more first replies sampled (at the evaluation's
@@ -22,6 +22,12 @@ without it? Two measures of what the model knows by itself, per level in `by_lev
   system turn, no call executed): another prompt, which a warm start never trained on, so it
   can read as the base model's skill (docs/agent_demo.md); `tool_attempts_no_tool` counts the
   replies that still wrote a call (scored 0).
+* `accuracy_forced`, for envs that say how a direct answer begins (`env.direct_prefix`): every
+  task once more, the agent's reply prefilled with that beginning (tool_arithmetic: the
+  restated problem, "37 + 45 =", as its direct demonstrations begin) and the rest sampled
+  as the evaluation samples (greedy when it is greedy): what it answers if it does not call,
+  measured on every task even where it always calls (where `accuracy_direct` has few or
+  no answers to read). The targets (`calibration_targets`) judge skill by it.
 The fixed policies' rewards: `reward_never` (never calling: the direct accuracy, the no-tool
 one where no task answered directly), `reward_always` (the accuracy of the episodes that
 called, less the tool's price; None where none called), and `regret` (the better of the two,
@@ -128,11 +134,29 @@ def _direct_scores(tasks, loop_cfg, engine, tokenizer, env, scores, calls, seed,
   return direct
 
 
+def _forced_scores(tasks, loop_cfg, engine, tokenizer, env, seed):
+  """Per task, the score of a reply begun as a direct answer (module docstring): the
+  assistant turn prefilled with `env.direct_prefix(task)`, the rest the model's, one turn."""
+  loop = AgentLoop(engine, tokenizer, env, dataclasses.replace(loop_cfg, max_turns=1))
+  eps = [loop.start(t) for t in tasks]
+  prefixes = [env.direct_prefix(t) for t in tasks]
+  for ep, p in zip(eps, prefixes):
+    ep.prompt_ids = ep.prompt_ids + tokenizer.encode(p)
+  reqs = [loop.request(ep, seed + i) for i, ep in enumerate(eps)]
+  got = {c.request_id: c.token_ids for c in engine.generate(reqs)}
+  stop = set(loop.stop_ids)
+  return np.array([env.reward(t, p + tokenizer.decode([x for x in got[r.request_id]
+                                                       if x not in stop]))
+                   for t, p, r in zip(tasks, prefixes, reqs)])
+
+
 def _calibrate(out, env, tasks, loop, cfg, engine, tokenizer, scores, calls, seeds, samples):
   """The direct and no-tool passes and the calibration figures (module docstring), into
   `out`."""
   n = len(tasks)
   direct = _direct_scores(tasks, cfg, engine, tokenizer, env, scores, calls, seeds[0], samples)
+  forced = (_forced_scores(tasks, cfg, engine, tokenizer, env, seeds[0])
+            if hasattr(env, "direct_prefix") else None)
   bare = dataclasses.replace(env, tools=())
   bare_loop = AgentLoop(engine, tokenizer, bare, cfg)
   bare_scores = np.zeros((samples, n))
@@ -155,7 +179,8 @@ def _calibrate(out, env, tasks, loop, cfg, engine, tokenizer, scores, calls, see
     best = max(never, always) if always is not None else never
     row.update(accuracy_direct=direct_acc, direct_resolved=len(got) / int(sel.sum()),
                accuracy_no_tool=bare_acc, tool_attempts_no_tool=float(attempts[:, sel].mean()),
-               reward_never=never, reward_always=always, regret=best - row["reward"])
+               reward_never=never, reward_always=always, regret=best - row["reward"],
+               accuracy_forced=None if forced is None else float(forced[sel].mean()))
     need.append(1.0 - never)
     rate.append(row["tool_calls_per_trajectory"])
     regrets.append(row["regret"])
@@ -165,7 +190,8 @@ def _calibrate(out, env, tasks, loop, cfg, engine, tokenizer, scores, calls, see
   out["calibration"] = dict(need_vs_calls=corr, mean_regret=float(np.mean(regrets)),
                             accuracy_direct=float(resolved.mean()) if len(resolved) else None,
                             direct_resolved=len(resolved) / n,
-                            accuracy_no_tool=float(bare_scores.mean()))
+                            accuracy_no_tool=float(bare_scores.mean()),
+                            accuracy_forced=None if forced is None else float(forced.mean()))
   out["calibration"]["targets"] = calibration_targets(out)
 
 
@@ -178,14 +204,16 @@ TARGETS = dict(need=0.5, call_need=0.8, skilled=0.9, call_skilled=0.3, accuracy=
 
 def calibration_targets(result: dict, **targets) -> dict:
   """A calibrated result (`evaluate(..., calibration=True)`) against `TARGETS` (or the
-  values given): `need_levels` and `skilled_levels`, the levels each rule applies to;
+  values given), a level's skill alone read as `accuracy_forced` (`reward_never` where the
+  env has no forced pass): `need_levels` and `skilled_levels`, the levels each rule applies to;
   `misses`, one readable line per rule broken; `met`, no misses. Levels between the two
   thresholds are free: there the two fixed policies are close at any sensible price. The
   accuracy is over every sample (avg@k where the evaluation drew k)."""
   t = {**TARGETS, **targets}
   needs, skilled, misses = [], [], []
   for lv, x in result["by_level"].items():
-    skill, calls = x["reward_never"], x["tool_calls_per_trajectory"]
+    skill = x["reward_never"] if x.get("accuracy_forced") is None else x["accuracy_forced"]
+    calls = x["tool_calls_per_trajectory"]
     if skill < t["need"]:
       needs.append(lv)
       if calls < t["call_need"]:
@@ -210,10 +238,11 @@ def table(result: dict) -> str:
 
 def calibration_table(result: dict) -> str:
   """Per level: the direct accuracy (and the fraction of tasks answered directly), the
-  accuracy without the tool and with it, tool calls, reward, the best fixed policy's reward
-  and the regret; then the summary (`evaluate(..., calibration=True)`)."""
+  accuracy without the tool and with it, tool calls, reward, the best fixed policy's reward,
+  the regret and the forced accuracy; then the summary and the targets' verdict
+  (`evaluate(..., calibration=True)`)."""
   lines = [f"{'level':8}{'n':>5}{'direct':>8}{'(of)':>6}{'no tool':>9}{'tool':>7}"
-           f"{'calls':>7}{'reward':>8}{'best fixed':>11}{'regret':>8}"]
+           f"{'calls':>7}{'reward':>8}{'best fixed':>11}{'regret':>8}{'forced':>8}"]
   for lv, x in result["by_level"].items():
     best = x["reward_never"] if x["reward_always"] is None else max(x["reward_never"],
                                                                       x["reward_always"])
@@ -221,7 +250,9 @@ def calibration_table(result: dict) -> str:
     lines.append(f"{lv:8}{x['n']:>5}{d:>8}{x['direct_resolved']:>6.2f}"
                  f"{x['accuracy_no_tool']:>9.3f}{x['accuracy']:>7.3f}"
                  f"{x['tool_calls_per_trajectory']:>7.2f}{x['reward']:>8.3f}{best:>11.3f}"
-                 f"{x['regret']:>8.3f}")
+                 f"{x['regret']:>8.3f}"
+                 + ("     n/a" if x.get("accuracy_forced") is None
+                    else f"{x['accuracy_forced']:>8.3f}"))
   cal = result["calibration"]
   corr = "n/a" if cal["need_vs_calls"] is None else f"{cal['need_vs_calls']:.3f}"
   lines.append(f"tool calls against need (1 - never-calling reward), correlation over levels: "

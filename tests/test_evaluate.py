@@ -116,7 +116,9 @@ class BinEngine:
   then answers right, and on hard items calls for k < 5 (then right) and answers directly,
   wrong, for k >= 5. Without the tool it knows easy items and add1c for k < 5; on hard items
   it still writes a call. Sampled (the direct-answer tries of this greedy evaluation), it
-  answers add2 items directly, right for k < 5 only."""
+  answers add2 items directly, right for k < 5 only. Its reply begun as a direct answer ("a +
+  b =", the forced pass), it finishes easy items right, add1c, add2 and mul21 right for
+  k < 5, hard items wrong."""
 
   version = 0
 
@@ -136,7 +138,10 @@ class BinEngine:
       late = r.temperature > 0
       calls = offered and ((lv == "add2" and not late) or lv == "mul21"
                            or (lv == "hard" and k < 5))
-      if "<tool_response>" in text:
+      if text.endswith(" ="):  # the forced pass: the reply begun as a direct answer
+        right = lv == "easy" or (lv in ("add1c", "add2", "mul21") and k < 5)
+        reply = f" {t.answer if right else t.answer + 1}"
+      elif "<tool_response>" in text:
         reply = str(t.answer)
       elif calls or (lv == "hard" and not offered):
         reply = call
@@ -164,15 +169,17 @@ def test_calibration_per_level_matches_hand_count():
                engine=BinEngine(tok, env, 10), calibration=True)
   got = {lv: {k: (round(v, 12) if isinstance(v, float) else v) for k, v in row.items()}
          for lv, row in r["by_level"].items()}
-  row = lambda acc, calls, reward, direct, of, bare, attempts, never, always, regret: dict(  # noqa: E731
+  row = lambda acc, calls, reward, direct, of, bare, attempts, never, always, regret, forced: dict(  # noqa: E501, E731
       n=2, accuracy=acc, tool_calls_per_trajectory=calls, reward=reward,
       accuracy_direct=direct, direct_resolved=of, accuracy_no_tool=bare,
-      tool_attempts_no_tool=attempts, reward_never=never, reward_always=always, regret=regret)
-  assert got == {"easy": row(1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 1.0, None, 0.0),
-                 "add1c": row(0.5, 0.0, 0.5, 0.5, 1.0, 0.5, 0.0, 0.5, None, 0.0),
-                 "add2": row(1.0, 1.0, 0.9, 0.5, 1.0, 0.0, 0.0, 0.5, 0.9, 0.0),
-                 "mul21": row(1.0, 1.0, 0.9, None, 0.0, 0.0, 0.0, 0.0, 0.9, 0.0),
-                 "hard": row(0.5, 0.5, 0.45, 0.0, 0.5, 0.0, 1.0, 0.0, 0.9, 0.45)}
+      tool_attempts_no_tool=attempts, reward_never=never, reward_always=always, regret=regret,
+      accuracy_forced=forced)
+  # the forced pass: easy 2 of 2, add1c, add2 and mul21 1 of 2 (k < 5), hard 0 of 2
+  assert got == {"easy": row(1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 1.0, None, 0.0, 1.0),
+                 "add1c": row(0.5, 0.0, 0.5, 0.5, 1.0, 0.5, 0.0, 0.5, None, 0.0, 0.5),
+                 "add2": row(1.0, 1.0, 0.9, 0.5, 1.0, 0.0, 0.0, 0.5, 0.9, 0.0, 0.5),
+                 "mul21": row(1.0, 1.0, 0.9, None, 0.0, 0.0, 0.0, 0.0, 0.9, 0.0, 0.5),
+                 "hard": row(0.5, 0.5, 0.45, 0.0, 0.5, 0.0, 1.0, 0.0, 0.9, 0.45, 0.0)}
   cal = r["calibration"]
   assert abs(cal["need_vs_calls"] - 0.5 / 0.7 ** 0.5) < 1e-12
   assert abs(cal["mean_regret"] - 0.09) < 1e-12 and cal["accuracy_no_tool"] == 0.3
@@ -180,12 +187,14 @@ def test_calibration_per_level_matches_hand_count():
   assert lines[3].split()[:3] == ["add2", "2", "0.500"]
   assert lines[4].split()[:4] == ["mul21", "2", "n/a", "0.00"]
   assert lines[5].split() == ["hard", "2", "0.000", "0.50", "0.000", "0.500", "0.50", "0.450",
-                              "0.900", "0.450"]
+                              "0.900", "0.450", "0.000"]
+  assert cal["accuracy_forced"] == 0.5
   assert lines[-2].endswith("correlation over levels: 0.598; mean regret 0.090")
-  # issue 60's targets: alone, mul21 and hard score 0 (< 0.5: must call on 0.8), easy 1.0
-  # (> 0.9: at most 0.3); add1c and add2 (0.5) are free. hard calls on 0.5; 8 of 10 right.
+  # issue 60's targets, skill read as the forced accuracy: hard scores 0 (< 0.5: must call on
+  # 0.8), easy 1.0 (> 0.9: at most 0.3); the rest (0.5) are free. hard calls on 0.5; 8 of 10
+  # right. (By reward_never, mul21 would need the tool too: it always calls, no-tool 0.)
   t = cal["targets"]
-  assert (t["need_levels"], t["skilled_levels"], t["met"]) == (["mul21", "hard"], ["easy"], False)
+  assert (t["need_levels"], t["skilled_levels"], t["met"]) == (["hard"], ["easy"], False)
   assert t["misses"] == ["hard (alone 0.00): calls 0.50 < 0.8", "accuracy 0.800 < 0.9"]
   assert lines[-1].endswith("missed: hard (alone 0.00): calls 0.50 < 0.8; accuracy 0.800 < 0.9")
   loose = calibration_targets(r, call_need=0.5, accuracy=0.8)

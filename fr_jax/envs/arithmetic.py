@@ -253,10 +253,14 @@ class ToolArithmetic(SingleAnswerEnv):
       msgs += [{"role": "assistant", "content": tool_call_text(code)},
                {"role": "tool", "content": f"{task.answer}\n"}]  # what print() writes
       return msgs + [{"role": "assistant", "content": str(task.answer)}]
-    # A direct answer restates the sum first: SmolLM2-135M, sampled, got 1-digit sums right
-    # about 20% of the time as a bare number after a warm start on bare numbers.
-    sym = {"+": "+", "*": "x"}[m["op"]]
-    return msgs + [{"role": "assistant", "content": f"{m['a']} {sym} {m['b']} = {task.answer}"}]
+    return msgs + [{"role": "assistant", "content": f"{self.direct_prefix(task)} {task.answer}"}]
+
+  def direct_prefix(self, task: Task) -> str:
+    """How a direct answer begins: it restates the problem (SmolLM2-135M, sampled, got 1-digit
+    sums right about 20% of the time as a bare number after a warm start on bare numbers).
+    The calibration's forced pass (`fr_jax.evaluate`) starts replies with it."""
+    m = task.meta
+    return f"{m['a']} {dict(zip('+*', '+x'))[m['op']]} {m['b']} ="
 
 
 def tool_call_text(code: str) -> str:

@@ -27,13 +27,14 @@ without it? Three measures of what the model knows by itself, per level in `by_l
   restated problem, "37 + 45 =", as its direct demonstrations begin) and the rest sampled
   as the evaluation samples (greedy when it is greedy): what it answers if it does not call,
   measured on every task even where it always calls (where `accuracy_direct` has few or
-  no answers to read). The targets (`calibration_targets`) judge skill by it.
-The fixed policies' rewards: `reward_never` (never calling: the direct accuracy, the no-tool
-one where no task answered directly), `reward_always` (the accuracy of the episodes that
-called, less the tool's price; None where none called), and `regret` (the better of the two,
-less the agent's reward). `calibration` sums it up: `need_vs_calls`, the correlation over
-levels between need (1 - reward_never) and the tool-call rate (1: it calls exactly where it
-needs to), and the mean regret over levels.
+  no answers to read).
+The fixed policies' rewards: `reward_never` (never calling: the forced accuracy; for envs
+without a forced pass the direct one, the no-tool one where no task answered directly),
+`reward_always` (the accuracy of the episodes that called, less the tool's price; None where
+none called), and `regret` (the better of the two, less the agent's reward). `calibration`
+sums it up: `need_vs_calls`, the correlation over levels between need (1 - reward_never)
+and the tool-call rate (1: it calls exactly where it needs to), and the mean regret over
+levels.
 """
 
 from __future__ import annotations
@@ -174,13 +175,15 @@ def _calibrate(out, env, tasks, loop, cfg, engine, tokenizer, scores, calls, see
     bare_acc = float(bare_scores[:, sel].mean())
     got = direct[sel][~np.isnan(direct[sel])]
     direct_acc = float(got.mean()) if len(got) else None
-    never = bare_acc if direct_acc is None else direct_acc
+    forced_acc = None if forced is None else float(forced[sel].mean())
+    never = (forced_acc if forced_acc is not None
+             else bare_acc if direct_acc is None else direct_acc)
     always = (float(scores[:, sel][called].mean()) - cost) if called.any() else None
     best = max(never, always) if always is not None else never
     row.update(accuracy_direct=direct_acc, direct_resolved=len(got) / int(sel.sum()),
                accuracy_no_tool=bare_acc, tool_attempts_no_tool=float(attempts[:, sel].mean()),
                reward_never=never, reward_always=always, regret=best - row["reward"],
-               accuracy_forced=None if forced is None else float(forced[sel].mean()))
+               accuracy_forced=forced_acc)
     need.append(1.0 - never)
     rate.append(row["tool_calls_per_trajectory"])
     regrets.append(row["regret"])
@@ -196,7 +199,7 @@ def _calibrate(out, env, tasks, loop, cfg, engine, tokenizer, scores, calls, see
 
 
 # What an agent that knows its limits does (issue 60), by what answering without calling
-# scores per level (`reward_never`: the direct accuracy): it calls on `call_need` or more of
+# scores per level (`reward_never`: the forced accuracy): it calls on `call_need` or more of
 # the items of every level below `need`, on `call_skilled` or fewer of every level above
 # `skilled`, and is right on `accuracy` or more of all items.
 TARGETS = dict(need=0.5, call_need=0.8, skilled=0.9, call_skilled=0.3, accuracy=0.9)
@@ -204,16 +207,15 @@ TARGETS = dict(need=0.5, call_need=0.8, skilled=0.9, call_skilled=0.3, accuracy=
 
 def calibration_targets(result: dict, **targets) -> dict:
   """A calibrated result (`evaluate(..., calibration=True)`) against `TARGETS` (or the
-  values given), a level's skill alone read as `accuracy_forced` (`reward_never` where the
-  env has no forced pass): `need_levels` and `skilled_levels`, the levels each rule applies to;
-  `misses`, one readable line per rule broken; `met`, no misses. Levels between the two
-  thresholds are free: there the two fixed policies are close at any sensible price. The
-  accuracy is over every sample (avg@k where the evaluation drew k)."""
+  values given), a level's skill alone read as `reward_never`: `need_levels` and
+  `skilled_levels`, the levels each rule applies to; `misses`, one readable line per rule
+  broken; `met`, no misses. Levels between the two thresholds are free: there the two fixed
+  policies are close at any sensible price. The accuracy is over every sample (avg@k where
+  the evaluation drew k)."""
   t = {**TARGETS, **targets}
   needs, skilled, misses = [], [], []
   for lv, x in result["by_level"].items():
-    skill = x["reward_never"] if x.get("accuracy_forced") is None else x["accuracy_forced"]
-    calls = x["tool_calls_per_trajectory"]
+    skill, calls = x["reward_never"], x["tool_calls_per_trajectory"]
     if skill < t["need"]:
       needs.append(lv)
       if calls < t["call_need"]:

@@ -50,8 +50,10 @@ def _evaluate(c, model, params, label, n, calibration=False):
     cal = r["calibration"]
     corr = "n/a" if cal["need_vs_calls"] is None else f"{cal['need_vs_calls']:.2f}"
     d = "n/a" if cal["accuracy_direct"] is None else f"{cal['accuracy_direct']:.3f}"
+    f = "n/a" if cal.get("accuracy_forced") is None else f"{cal['accuracy_forced']:.3f}"
     print(f"  {label}, calibration: accuracy answering without calling {d} (on "
-          f"{cal['direct_resolved']:.2f} of the tasks), without the tool "
+          f"{cal['direct_resolved']:.2f} of the tasks), its reply begun as a direct answer "
+          f"{f}, without the tool "
           f"{cal['accuracy_no_tool']:.3f}; tool calls against need (1 - the never-calling "
           f"reward), correlation over levels {corr}; "
           f"mean regret against the best fixed policy per level {cal['mean_regret']:.3f}",
@@ -108,7 +110,8 @@ def _table(stages: dict) -> dict:
 
 def _print_table(table: dict, n: int, decoding: str) -> None:
   """The before/after table on stderr: accuracy (and, calibrated, in brackets the accuracy
-  of answering without calling: `reward_never`) and tool calls per difficulty and stage."""
+  of answering without calling: `reward_never`, the forced accuracy for tool_arithmetic) and
+  tool calls per difficulty and stage."""
   cols = [k for k in next(iter(table.values()))]
   alone = any("accuracy_alone" in x for row in table.values() for x in row.values())
   w = 18 if alone else 12

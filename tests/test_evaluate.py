@@ -159,8 +159,8 @@ def test_calibration_per_level_matches_hand_count():
   docstring) of the scripted agent above, counted by hand. Direct answers: easy and add1c
   from the evaluation's own episodes, add2 from the first extra try (k = 2 right, k = 7
   wrong), hard k = 9 from its own episode (wrong); mul21 and hard k = 4 always call. The
-  correlation from its definition: need (0, .5, .5, 1, 1) against calls (0, 0, 1, 1, .5) is
-  .5 / sqrt(.7 x 1.0)."""
+  correlation from its definition: need (1 - the forced accuracy: 0, .5, .5, .5, 1) against
+  calls (0, 0, 1, 1, .5) is .25 / sqrt(.5 x 1.0)."""
   from fr_jax.envs.arithmetic import CONTINUUM
   tok = Tokenizer.byte_level()
   env = envs.make("tool_arithmetic", tool_cost=0.1, levels=CONTINUUM)
@@ -178,10 +178,10 @@ def test_calibration_per_level_matches_hand_count():
   assert got == {"easy": row(1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 1.0, None, 0.0, 1.0),
                  "add1c": row(0.5, 0.0, 0.5, 0.5, 1.0, 0.5, 0.0, 0.5, None, 0.0, 0.5),
                  "add2": row(1.0, 1.0, 0.9, 0.5, 1.0, 0.0, 0.0, 0.5, 0.9, 0.0, 0.5),
-                 "mul21": row(1.0, 1.0, 0.9, None, 0.0, 0.0, 0.0, 0.0, 0.9, 0.0, 0.5),
+                 "mul21": row(1.0, 1.0, 0.9, None, 0.0, 0.0, 0.0, 0.5, 0.9, 0.0, 0.5),
                  "hard": row(0.5, 0.5, 0.45, 0.0, 0.5, 0.0, 1.0, 0.0, 0.9, 0.45, 0.0)}
   cal = r["calibration"]
-  assert abs(cal["need_vs_calls"] - 0.5 / 0.7 ** 0.5) < 1e-12
+  assert abs(cal["need_vs_calls"] - 0.25 / 0.5 ** 0.5) < 1e-12
   assert abs(cal["mean_regret"] - 0.09) < 1e-12 and cal["accuracy_no_tool"] == 0.3
   lines = calibration_table(r).splitlines()
   assert lines[3].split()[:3] == ["add2", "2", "0.500"]
@@ -189,10 +189,10 @@ def test_calibration_per_level_matches_hand_count():
   assert lines[5].split() == ["hard", "2", "0.000", "0.50", "0.000", "0.500", "0.50", "0.450",
                               "0.900", "0.450", "0.000"]
   assert cal["accuracy_forced"] == 0.5
-  assert lines[-2].endswith("correlation over levels: 0.598; mean regret 0.090")
+  assert lines[-2].endswith("correlation over levels: 0.354; mean regret 0.090")
   # issue 60's targets, skill read as the forced accuracy: hard scores 0 (< 0.5: must call on
   # 0.8), easy 1.0 (> 0.9: at most 0.3); the rest (0.5) are free. hard calls on 0.5; 8 of 10
-  # right. (By reward_never, mul21 would need the tool too: it always calls, no-tool 0.)
+  # right. (Without the forced pass mul21 would read 0, the no-tool accuracy: it always calls.)
   t = cal["targets"]
   assert (t["need_levels"], t["skilled_levels"], t["met"]) == (["hard"], ["easy"], False)
   assert t["misses"] == ["hard (alone 0.00): calls 0.50 < 0.8", "accuracy 0.800 < 0.9"]

@@ -19,8 +19,9 @@ last stdout lines hold the before/after table and the time per stage.
 Hardware: a laptop-class CPU; 2 cores suffice. Nothing is downloaded. Expected time on 2
 cores: about 21 minutes (`make demo-agent` at the exact fixed lag, 2026-12-04: 1,226 s; base
 evaluation 35 s, warm start 346 s, its evaluation 37 s, 40 updates 728 s, two evaluations
-73 s). Measured (docs/agent_demo.md, attempt 5): held-out easy items 1.00 accuracy with 0.20
-tool calls, hard items 0.90 accuracy with 0.96 tool calls after RL.
+73 s). Measured (docs/agent_demo.md), seed 0 on two machines: held-out easy items 1.00
+accuracy with 0.14-0.20 tool calls, hard items 0.86-0.90 accuracy with 0.90-0.96 tool calls
+after RL (the hard-item target of 0.9 met on one, missed on the other).
 """
 
 from fr_jax import config as rcfg

@@ -6,8 +6,10 @@ r"""Held-out evaluation of a model or a training checkpoint.
 
 Greedy decoding for --samples=1; with k > 1 samples per task it adds avg@k and pass@k.
 --calibration (tool_arithmetic, e.g. with --config.env.kwargs.levels: its difficulty bins)
-runs every task again without the tool and prints, per level, accuracy without and with it,
-tool calls, reward against the best fixed policy, and the correlation of calls with need.
+runs every task again without the tool and once more with the reply begun as a direct answer
+(the forced pass), and prints, per level, accuracy without and with the tool, tool calls,
+reward against the best fixed policy, the correlation of calls with need and whether issue
+60's targets hold (fr_jax.evaluate.TARGETS).
 Reports accuracy, tool calls per trajectory, response length, truncation rate and turns as a
 table on stderr and one JSON line on stdout. The agent settings (template, limits) come from
 --config, the same as training.

@@ -297,10 +297,18 @@ def test_schedule_warmup_then_cosine_to_min_ratio():
 def test_metric_files_jsonl_and_tensorboard(tmp_path):
   from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
   learner = Learner(tiny_config(**{"log.dir": str(tmp_path)}))
-  for b in batches(2):
+  data = batches(2)
+  for b in data:
     learner.update(b)
   learner.close()
   rows = read_jsonl(tmp_path / "metrics.jsonl")
+  # every record of each update, in batch order, for analyses by task (JSONL only)
+  for r, b in zip(rows, data):
+    assert r["traj_ids"] == [t.traj_id for t in b]
+    assert r["traj_prompt_ids"] == [t.prompt_id for t in b]
+    assert r["traj_rewards"] == [float(t.reward) for t in b]
+    assert r["traj_tool_calls"] == [t.num_tool_calls for t in b]
+    assert r["traj_action_tokens"] == [int(t.action_mask.astype(int).sum()) for t in b]
   need = {"loss", "acceptance_rate", "kl_proxy_mean", "kl_proxy_max", "ratio_mean",
           "ratio_max", "entropy", "grad_norm", "lr", "tokens", "packing_efficiency",
           "policy_lag_mean", "policy_lag_max", "step_time_s", "tokens_per_s", "mfu"}

@@ -308,6 +308,11 @@ class Learner:
         continue
       if log_ids:
         m["traj_ids"] = [t.traj_id for t in chunk]
+        # what each record was, for analyses by task offline (experiments/agent_demo/by_level)
+        m["traj_prompt_ids"] = [t.prompt_id for t in chunk]
+        m["traj_rewards"] = [float(t.reward) for t in chunk]
+        m["traj_tool_calls"] = [int(t.num_tool_calls) for t in chunk]
+        m["traj_action_tokens"] = [int(np.sum(t.action_mask)) for t in chunk]
       self.writer.write(m["version"], m)
     if skipped:
       m["skipped_traj_ids"] = skipped

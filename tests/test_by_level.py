@@ -24,6 +24,7 @@ def test_by_level_hand_counts(tmp_path):
   _write(tmp_path, [{"step": 1, "loss": 0.0}, UPDATE_1, UPDATE_2], tail='{"step": 3, "traj')
   ups = bl.read_updates(tmp_path)  # the row without records and the torn line are skipped
   assert [u["step"] for u in ups] == [1, 2]
+  assert bl.read_updates(tmp_path / "metrics.jsonl") == ups  # a file of rows reads the same
   rows = {(r["updates"], r["level"]): r for r in bl.by_level(ups, window=1)}
   easy, hard, every = rows[("1-1", "easy")], rows[("1-1", "hard")], rows[("1-1", "all")]
   assert (easy["n"], easy["calls"], easy["reward_call"], easy["reward_direct"]) == (2, 0.5, 0.6,
@@ -51,3 +52,9 @@ def test_by_level_refuses_runs_without_records(tmp_path):
     bl.read_updates(tmp_path)
   with pytest.raises(ValueError, match="reduction"):
     bl.by_level([UPDATE_1], reduction="mean")
+
+
+def test_by_level_orders_the_bins_from_easy_to_hard():
+  up = dict(UPDATE_1, traj_prompt_ids=["t:hard:1x2:0:", "t:zeta:1:0:", "t:mul21:1x2:0:",
+                                       "t:easy:1+2:0:"])
+  assert [r["level"] for r in bl.by_level([up])] == ["easy", "mul21", "hard", "zeta", "all"]

@@ -1,16 +1,19 @@
 """What the training batches of an agent run said about calling the tool, level by level.
 
   python -m experiments.agent_demo.by_level RUN_DIR [--window=10] [--reduction=sample_mean]
+  python -m experiments.agent_demo.by_level experiments/agent_demo/attempts/X.records.jsonl
 
-Reads RUN_DIR/metrics.jsonl (the records of every update, `Learner.update`: prompt ids, rewards,
-tool calls, action tokens) and prints, per window of updates and per level of the task (the
-task id's second field: tool_arithmetic's bins), the share of replies that called the tool,
-the mean reward of those that called and of those that answered alone, and the push the
-objective gave the choice: the mean of A_i w_i over the replies that called, minus the same over
-those that did not, with A_i = R_i - the batch's mean reward and w_i the reduction's weight
-(1/T_i for sample_mean, 1/L for constant_length, 1/sum T for token_mean; fr_jax/objective.py).
-A positive push moves the first token of a reply toward the call (every record's tokens are
-weighed alike by the policy gradient, so the choice's token gets its trajectory's A_i w_i).
+Reads RUN_DIR/metrics.jsonl, or a file of its rows as the attempts keep them (each update's
+records, `Learner.update`: prompt ids, rewards, tool calls, action tokens), and prints, per
+window of updates and per level of the task (the task id's second field: tool_arithmetic's
+bins), the share of replies that called the tool, the mean reward of those that called and of
+those that answered alone, their mean advantages, and the push the objective gave the choice:
+the mean of A_i w_i over the replies that called minus the same over those that did not, with
+A_i = R_i - the batch's mean reward and w_i the reduction's weight (1/T_i for sample_mean, 1/L
+for constant_length, 1/sum T for token_mean; fr_jax/objective.py). A reply's first token, where
+it calls or not, gets its trajectory's A_i w_i like every other token, so a positive push moves
+the choice toward the call. Another reduction than the run's gives what that one would have
+pushed on the same batches.
 One JSON line per window and level follows the table.
 """
 
@@ -22,6 +25,8 @@ import json
 import math
 from pathlib import Path
 
+from fr_jax.envs.arithmetic import CONTINUUM
+
 REDUCTIONS = ("sample_mean", "constant_length", "token_mean")
 
 
@@ -32,8 +37,11 @@ def level_of(prompt_id: str) -> str:
 
 
 def read_updates(run_dir) -> list[dict]:
-  """The update rows of run_dir/metrics.jsonl that carry their records (newest row per step)."""
-  path = Path(run_dir) / "metrics.jsonl"
+  """The update rows of run_dir/metrics.jsonl (or of a .jsonl file of such rows) that carry
+  their records, the newest row per step."""
+  path = Path(run_dir)
+  if path.is_dir() or not path.suffix:
+    path = path / "metrics.jsonl"
   if not path.exists():
     raise SystemExit(f"{path}: no such file (a run directory of launch.train or launch.learner)")
   rows = {}
@@ -84,7 +92,12 @@ def by_level(updates: list[dict], window: int = 10, reduction: str = "sample_mea
     return sum(xs) / len(xs) if xs else None
 
   out = []
-  for (first, level), cell in sorted(acc.items(), key=lambda kv: (kv[0][0], kv[0][1] == "all")):
+  def order(key):  # windows in turn; in each, the bins from easy to hard, then "all"
+    first, level = key
+    known = level in CONTINUUM
+    return first, level == "all", not known, CONTINUUM.index(level) if known else 0, level
+
+  for (first, level), cell in sorted(acc.items(), key=lambda kv: order(kv[0])):
     n_call, n_direct = len(cell["call_reward"]), len(cell["direct_reward"])
     aw_c, aw_d = mean(cell["call_aw"]), mean(cell["direct_aw"])
     last = max(r["step"] for r in updates if (r["step"] - 1) // window * window + 1 == first)

@@ -26,8 +26,8 @@ import math
 from pathlib import Path
 
 from fr_jax.envs.arithmetic import CONTINUUM
-
-REDUCTIONS = ("sample_mean", "constant_length", "token_mean")
+from fr_jax.learner.metrics import read_jsonl
+from fr_jax.objective import REDUCTIONS
 
 
 def level_of(prompt_id: str) -> str:
@@ -44,14 +44,7 @@ def read_updates(run_dir) -> list[dict]:
     path = path / "metrics.jsonl"
   if not path.exists():
     raise SystemExit(f"{path}: no such file (a run directory of launch.train or launch.learner)")
-  rows = {}
-  for line in path.read_text().splitlines():
-    try:
-      r = json.loads(line)
-    except json.JSONDecodeError:  # a line cut short by a crash
-      continue
-    if "traj_rewards" in r:
-      rows[r["step"]] = r
+  rows = {r["step"]: r for r in read_jsonl(path) if "traj_rewards" in r}  # newest per step
   if not rows:
     raise SystemExit(f"{path}: no update carries its records (traj_rewards); runs before "
                      "this field was logged cannot be read")
@@ -75,11 +68,13 @@ def by_level(updates: list[dict], window: int = 10, reduction: str = "sample_mea
   if reduction not in REDUCTIONS:
     raise ValueError(f"reduction={reduction!r}: choose one of {REDUCTIONS}")
   acc = collections.defaultdict(lambda: collections.defaultdict(list))
+  last = {}  # window's first update -> its last
   for r in updates:
     rewards = r["traj_rewards"]
     mean = sum(rewards) / len(rewards)
     w = weights(r["traj_action_tokens"], reduction, length_norm)
     first = (r["step"] - 1) // window * window + 1
+    last[first] = max(last.get(first, 0), r["step"])
     for pid, reward, calls, wi in zip(r["traj_prompt_ids"], rewards, r["traj_tool_calls"], w):
       side = "call" if calls > 0 else "direct"
       for level in (level_of(pid), "all"):
@@ -91,17 +86,16 @@ def by_level(updates: list[dict], window: int = 10, reduction: str = "sample_mea
   def mean(xs):
     return sum(xs) / len(xs) if xs else None
 
-  out = []
   def order(key):  # windows in turn; in each, the bins from easy to hard, then "all"
     first, level = key
     known = level in CONTINUUM
     return first, level == "all", not known, CONTINUUM.index(level) if known else 0, level
 
+  out = []
   for (first, level), cell in sorted(acc.items(), key=lambda kv: order(kv[0])):
     n_call, n_direct = len(cell["call_reward"]), len(cell["direct_reward"])
     aw_c, aw_d = mean(cell["call_aw"]), mean(cell["direct_aw"])
-    last = max(r["step"] for r in updates if (r["step"] - 1) // window * window + 1 == first)
-    out.append(dict(updates=f"{first}-{last}", level=level, n=n_call + n_direct,
+    out.append(dict(updates=f"{first}-{last[first]}", level=level, n=n_call + n_direct,
                     calls=n_call / (n_call + n_direct),
                     reward_call=mean(cell["call_reward"]),
                     reward_direct=mean(cell["direct_reward"]),
